@@ -1,0 +1,100 @@
+"""GPU tests: the worker verifies, times and survives broken kernels. Marked `gpu`."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.bench import EvalRequest, GpuBackend
+from tuner.compile import compile_source
+from tuner.render import render
+from tuner.search import finish, prepare
+from tuner.shapes import parse_shape
+
+pytestmark = pytest.mark.gpu
+
+# Deliberately broken kernels: each must fail verification with the right kind.
+BROKEN = {
+    "wrong": "C[i] = __float2half(acc + 1.0f);",
+    "out_of_bounds": "C[i] = __float2half(acc); if (i == 0) C[M * N + 7] = C[i];",
+    "unwritten": "if (i % 97 != 5) C[i] = __float2half(acc);",
+    "fault": "C[i] = __float2half(acc); if (i == 0) ((volatile __half*)0x10)[0] = C[i];",
+}
+NAIVE = r"""
+#include <cuda_fp16.h>
+extern "C" __global__ void hgemm(const __half* A, const __half* B, __half* C, int M, int N, int K, int swz) {
+  long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (i >= (long)M * N) return;
+  int m = i / N, n = i % N;
+  float acc = 0.f;
+  for (int k = 0; k < K; ++k) acc += __half2float(A[(long)m * K + k]) * __half2float(B[(long)n * K + k]);
+  BODY
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def backend():
+    be = GpuBackend()
+    yield be
+    be.close()
+
+
+def _naive_request(body: str, shape, tmp_path, arch: str) -> EvalRequest:
+    res = compile_source(NAIVE.replace("BODY", body), arch, cache_dir=tmp_path)
+    assert res.ok, res.error
+    grid = (shape.M * shape.N + 127) // 128
+    return EvalRequest("naive", {}, shape, res.cubin, {"grid": grid, "block": 128, "smem": 0}, [{"SWIZZLE_LOG": 0}])
+
+
+def test_naive_kernel_passes_every_check(backend, tmp_path):
+    shape = parse_shape("67x45x2100")
+    m = backend.evaluate(_naive_request("C[i] = __float2half(acc);", shape, tmp_path, backend.target.arch))
+    assert m.ok, m.reason
+    assert m.verify["checks"] == ["exact", "random", "accumulate"]
+    assert m.times_us and m.baselines_us["cublas"] > 0
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_broken_kernels_fail_with_their_kind(backend, tmp_path, kind):
+    shape = parse_shape("67x45x2100")
+    restarts = backend.restarts
+    m = backend.evaluate(_naive_request(f"C[i] = __float2half(acc); {{ {BROKEN[kind]} }}"
+                                        if kind == "fault" else BROKEN[kind], shape, tmp_path, backend.target.arch))
+    assert not m.ok
+    assert m.kind == kind, m.reason
+    if kind == "fault":
+        assert backend.restarts == restarts + 1
+    # The worker is usable afterwards.
+    ok = backend.evaluate(_naive_request("C[i] = __float2half(acc);", shape, tmp_path, backend.target.arch))
+    assert ok.ok, ok.reason
+
+
+def test_fp16_accumulation_is_caught(backend, tmp_path):
+    shape = parse_shape("64x64x4096")
+    src = NAIVE.replace("float acc = 0.f;", "__half acc = 0;").replace(
+        "acc += __half2float(A[(long)m * K + k]) * __half2float(B[(long)n * K + k]);",
+        "acc = __hadd(acc, __hmul(A[(long)m * K + k], B[(long)n * K + k]));").replace("BODY", "C[i] = acc;")
+    res = compile_source(src, backend.target.arch, cache_dir=tmp_path)
+    assert res.ok, res.error
+    m = backend.evaluate(EvalRequest("naive16", {}, shape, res.cubin, {"grid": 32, "block": 128, "smem": 0},
+                                     [{"SWIZZLE_LOG": 0}]))
+    assert not m.ok and m.kind in ("wrong", "accumulate"), m.reason
+
+
+@pytest.mark.parametrize("family", ["cute_sm80", "wmma"])
+@pytest.mark.parametrize("shape_s", ["1x8x8", "127x136x72", "333x200x1000", "256x256x4096"])
+def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
+    fam = space.family(family)
+    shape = parse_shape(shape_s)
+    from tuner.compile import CompilePool
+
+    pool = CompilePool(2)
+    rec = finish(prepare(fam, fam.compile_config(fam.defaults()), shape, backend, pool), shape, backend, 60)
+    pool.close()
+    assert rec.status == "ok", rec.reason
+    assert rec.tflops and rec.tflops < backend.target.peak_tflops
+
+
+def test_render_matches_what_was_measured(space):
+    fam = space.family("wmma")
+    assert render(fam, fam.defaults(), "sm_90a") == render(fam, fam.defaults(), "sm_90a")

@@ -1,0 +1,74 @@
+"""Every family renders for sampled knob values, and sampled configs compile with the real nvcc."""
+
+import random
+import re
+
+import pytest
+
+from tuner.compile import compile_source
+from tuner.errors import UserError
+from tuner.render import render, source_hash
+from tuner.shapes import parse_shape
+
+BIG = parse_shape("4096x4096x8192")
+
+
+def valid_configs(fam, target, shape, n, seed=0):
+    rng = random.Random(seed)
+    out, tries = [], 0
+    while len(out) < n and tries < 20000:
+        tries += 1
+        cfg = {k.name: rng.choice(k.values) for k in fam.knobs.values()}
+        if not fam.violations(cfg, shape, target) and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+@pytest.mark.parametrize("family", ["cute_sm80", "wmma"])
+def test_render_sampled_configs(space, h200, family):
+    fam = space.family(family)
+    configs = valid_configs(fam, h200, BIG, 25)
+    assert len(configs) == 25
+    hashes = set()
+    for cfg in configs:
+        src = render(fam, cfg, "sm_90a")
+        assert 'extern "C" __global__' in src and "hgemm(" in src
+        # The compile-time knobs are baked in; run-time knobs are not template variables.
+        for k in fam.compile_knobs:
+            if isinstance(cfg[k.name], int) and k.name in ("BM", "BN", "BK"):
+                assert re.search(rf"constexpr int {k.name}\s*=\s*{cfg[k.name]};", src), k.name
+        hashes.add(source_hash(src))
+    assert len(hashes) == len({tuple(fam.compile_config(c).items()) for c in configs})
+
+
+def test_runtime_knobs_do_not_change_the_source(space):
+    fam = space.family("cute_sm80")
+    a = render(fam, fam.complete({"SWIZZLE_LOG": 0}), "sm_90a")
+    b = render(fam, fam.complete({"SWIZZLE_LOG": 3}), "sm_90a")
+    assert a == b
+
+
+def test_broken_template_is_a_user_error(space, tmp_path):
+    (tmp_path / "wmma.cu.j2").write_text("{{ NOT_A_KNOB }}")
+    with pytest.raises(UserError, match="does not render"):
+        render(space.family("wmma"), space.family("wmma").defaults(), "sm_90a", templates_dir=tmp_path)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("family, n", [("wmma", 3), ("cute_sm80", 2)])
+def test_sampled_configs_compile(space, h200, tmp_path, family, n):
+    fam = space.family(family)
+    configs = [fam.defaults()] + valid_configs(fam, h200, BIG, n - 1, seed=7)
+    for cfg in configs:
+        res = compile_source(render(fam, cfg, "sm_90a"), "sm_90a", cache_dir=tmp_path)
+        assert res.ok, res.error
+        assert res.registers and res.registers <= 255
+        assert res.spill_bytes == 0, f"{cfg} spills {res.spill_bytes} bytes"
+        again = compile_source(render(fam, cfg, "sm_90a"), "sm_90a", cache_dir=tmp_path)
+        assert again.cached and again.cubin == res.cubin and again.seconds == 0.0
+
+
+@pytest.mark.nvcc
+def test_compile_error_is_kept(tmp_path):
+    res = compile_source('extern "C" __global__ void hgemm() { this is not cuda; }', "sm_90a", cache_dir=tmp_path)
+    assert not res.ok and "error" in res.error and not res.cached

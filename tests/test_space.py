@@ -1,0 +1,103 @@
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tuner.errors import UserError
+from tuner.shapes import parse_shape
+from tuner.space import Expr, load_space
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_space_loads(space):
+    assert {"cute_sm80", "wmma"} <= set(space.families)
+    fam = space.family("cute_sm80")
+    assert [k.name for k in fam.runtime_knobs] == ["SWIZZLE_LOG"]
+    assert "SWIZZLE_LOG" not in fam.compile_config(fam.defaults())
+    assert len(fam.runtime_variants()) == len(fam.knobs["SWIZZLE_LOG"].values)
+    assert space.shapes["default"][0] == parse_shape("4096x4096x8192")
+
+
+def test_defaults_are_valid_for_a_big_shape(space, h200):
+    shape = parse_shape("4096x4096x8192")
+    for fam in space.families.values():
+        assert fam.violations(fam.defaults(), shape, h200) == [], fam.name
+
+
+def test_constraints_reject_before_nvcc(space, h200):
+    fam = space.family("cute_sm80")
+    shape = parse_shape("4096x4096x8192")
+    too_much_smem = fam.complete({"BM": 256, "BN": 256, "BK": 64, "STAGES": 5, "WARP_M": 4, "WARP_N": 4})
+    assert any("shared memory" in w for w in fam.violations(too_much_smem, shape, h200))
+    bad_mma = fam.complete({"BM": 96, "WARP_M": 4})
+    assert any("multiple of 16 x WARP_M" in w for w in fam.violations(bad_mma, shape, h200))
+    unaligned = parse_shape("4096x4095x8192")
+    assert any("divisible by 8" in w for w in fam.violations(fam.defaults(), unaligned, h200))
+    # wmma takes any shape: it is the fallback for unaligned problems.
+    wmma = space.family("wmma")
+    assert wmma.violations(wmma.defaults(), unaligned, h200) == []
+
+
+def test_launch_geometry(space, h200):
+    fam = space.family("cute_sm80")
+    launch = fam.launch_geometry(fam.complete({"BM": 128, "BN": 256, "WARP_N": 4}), parse_shape("1000x1000x64"), h200)
+    assert launch.grid == 8 * 4 and launch.block == 256
+    assert launch.smem == max(3 * (128 + 256) * 32 * 2, 128 * (256 + 8) * 2)
+
+
+def test_complete_rejects_unknown_and_bad_values(space):
+    fam = space.family("cute_sm80")
+    with pytest.raises(UserError, match="unknown knob"):
+        fam.complete({"BQ": 1})
+    with pytest.raises(UserError, match="BM=100 is not one of"):
+        fam.complete({"BM": 100})
+
+
+def test_expressions_are_sandboxed():
+    assert Expr("ceil_div(M, 128) * 2 if M > 0 else 0").eval({"M": 300}) == 6
+    for evil in ["__import__('os')", "M.__class__", "open('x')", "[x for x in M]", "lambda: 1"]:
+        with pytest.raises(ValueError):
+            Expr(evil)
+
+
+def _write_space(tmp_path, text):
+    (tmp_path / "templates").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "templates" / "wmma.cu.j2", tmp_path / "templates" / "wmma.cu.j2")
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """version: 1
+families:
+  wmma:
+    template: wmma.cu.j2
+    knobs:
+      BM: {values: [64], kind: compile}
+    launch: {block: 128, smem: 0, grid: "ceil_div(M, BM)"}
+"""
+
+
+@pytest.mark.parametrize("broken, needle", [
+    (GOOD.replace("ceil_div(M, BM)", "ceil_div(M, BX)"), "space.yaml:7: families.wmma.launch.grid: unknown name(s) BX"),
+    (GOOD.replace("kind: compile", "kind: sometimes"), "kind must be one of"),
+    (GOOD.replace("values: [64]", "values: []"), "non-empty list"),
+    (GOOD.replace("wmma.cu.j2", "nope.cu.j2"), "not found"),
+    (GOOD.replace('launch: {block: 128, smem: 0, grid: "ceil_div(M, BM)"}', "launch: {block: 128}"), "missing 'grid'"),
+    (GOOD + "  extra: [\n", "not valid YAML"),
+    (GOOD.replace("version: 1", "version: 7"), "unsupported version"),
+    (GOOD.replace('grid: "ceil_div(M, BM)"', "grid: \"__import__('os')\""), "not allowed"),
+    (GOOD + "shapes:\n  mine: [4096x4096]\n", "shapes.mine.0"),
+])
+def test_broken_space_files_name_file_line_and_key(tmp_path, broken, needle):
+    path = _write_space(tmp_path, broken)
+    with pytest.raises(UserError) as err:
+        load_space(path)
+    assert str(path) in str(err.value)
+    assert needle in str(err.value)
+
+
+def test_good_minimal_space(tmp_path):
+    space = load_space(_write_space(tmp_path, GOOD))
+    assert space.family("wmma").defaults() == {"BM": 64}

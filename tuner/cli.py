@@ -1,0 +1,331 @@
+"""hgemm-tune command line.
+
+    hgemm-tune --shape 4096x4096x8192 --trials 500     # tune one shape (same as `tune`)
+    hgemm-tune render --family cute_sm80 --shape 4096x4096x8192 --set BM=256
+    hgemm-tune show --shape 4096x4096x8192             # source of the best trial
+    hgemm-tune doctor                                  # GPU, arch, nvcc, headers, cupy
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tuner.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  pretty_exceptions_enable=False,
+                  help="Find, verify and export the fastest fp16 GEMM kernel per shape on your NVIDIA GPU.")
+console = Console(stderr=True)
+out_console = Console()
+
+DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
+SpaceOpt = typer.Option(Path("space.yaml"), "--space", help="Search-space file (families, knobs, constraints).")
+
+
+def _parse_sets(sets: list[str]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for item in sets:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected KNOB=VALUE")
+        key, value = item.split("=", 1)
+        try:
+            config[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key.strip()] = value.strip()
+    return config
+
+
+def _make_backend(backend: str, replay: Path | None, arch: str, gpu: int | None, log: Path | None):
+    from tuner.bench import GpuBackend, ReplayBackend
+
+    if backend == "replay":
+        if replay is None:
+            raise UserError("--backend replay needs --replay FILE (a file of recorded GPU measurements)")
+        return ReplayBackend(replay, arch)
+    if backend == "gpu":
+        return GpuBackend(gpu=gpu, log_path=log)
+    raise UserError(f"unknown backend {backend!r}: use gpu or replay")
+
+
+def _families_for(space, names: str | None, target) -> list[str]:
+    if names:
+        chosen = [n.strip() for n in names.split(",") if n.strip()]
+        for n in chosen:
+            space.family(n)
+        return chosen
+    return [f.name for f in space.families.values() if target.cc >= f.min_arch]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def _summary(study, shape) -> Table:
+    from tuner.export import best_per_family, study_stats
+    from tuner.target import Target
+
+    target = Target(**study.user_attrs["target"])
+    simulated = bool(study.user_attrs.get("simulated"))
+    roof = target.roofline_us(shape.flops, shape.min_bytes)
+    title = f"{shape} on {target.name} ({target.arch})" + ("  [SIMULATED: replayed measurements]" if simulated else "")
+    table = Table(title=title)
+    for col in ("family", "trial", "time us", "TFLOP/s", "% roofline", "cuBLAS us", "vs cuBLAS", "config"):
+        table.add_column(col, justify="right" if col not in ("family", "config") else "left")
+    best = sorted(best_per_family(study).values(), key=lambda t: t.value)
+    for t in best:
+        a = t.user_attrs
+        table.add_row(a["family"], str(t.number), _fmt(t.value, ".2f"), _fmt(a.get("tflops"), ".1f"),
+                      _fmt(100 * roof / t.value, ".1f"), _fmt(a.get("cublas_us"), ".2f"),
+                      _fmt(a.get("speedup_cublas"), ".3f") + "x",
+                      json.dumps(a["config"] | a.get("variant", {}), separators=(",", ":")))
+    stats = study_stats(study)
+    table.caption = (f"{stats['trials']} trials measured, {stats['ok']} verified, "
+                     f"{stats['invalid_rejected']} rejected before nvcc, {stats['duplicates']} duplicates; "
+                     f"failures: {stats['failures'] or 'none'}; median cold compile "
+                     f"{_fmt(stats['compile_s_cold_median'], '.1f')} s")
+    return table
+
+
+@app.command()
+def tune(
+    shape: str = typer.Option(..., "--shape", "-s", help="MxNxK, e.g. 4096x4096x8192 (A: MxK, B: NxK, C: MxN)."),
+    trials: int = typer.Option(100, "--trials", "-n", min=1,
+                               help="Measured trials the study should hold; a re-run resumes up to this."),
+    families: str | None = typer.Option(None, "--families", "-f", help="Comma list (default: all for this GPU)."),
+    sampler: str = typer.Option("tpe", help="tpe | random | gp | cmaes | grid."),
+    timeout: float | None = typer.Option(None, help="Stop asking for new trials after this many seconds."),
+    storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage URL (SQLite file, PostgreSQL, ...)."),
+    study: str | None = typer.Option(None, help="Study name (default: derived from shape, families, arch)."),
+    backend: str = typer.Option("gpu", help="gpu: measure on this machine's GPU; replay: recorded measurements."),
+    replay: Path | None = typer.Option(None, help="Recorded-measurements file for --backend replay."),
+    arch: str = typer.Option("sm_90a", help="Target arch for --backend replay (a GPU backend reads the device)."),
+    gpu: int | None = typer.Option(None, help="GPU index (sets CUDA_VISIBLE_DEVICES for the worker)."),
+    jobs: int | None = typer.Option(None, help="Parallel nvcc jobs (default: one per core)."),
+    seed: int | None = typer.Option(None, help="Sampler seed, for reproducible searches."),
+    record: Path | None = typer.Option(None, help="Append every measurement to this replay file."),
+    space_file: Path = SpaceOpt,
+    output: Path | None = typer.Option(None, "-o", "--output", help="Also write the best config JSON here."),
+) -> None:
+    """Tune one shape: sample configs, compile, verify, time against cuBLAS; export the best as JSON."""
+    from tuner.bench import record_baseline, record_measurement
+    from tuner.compile import CompilePool
+    from tuner.export import export_studies, write_json
+    from tuner.search import study_name
+    from tuner.search import tune as run_tune
+    from tuner.shapes import parse_shape
+    from tuner.space import load_space
+
+    shp = parse_shape(shape)
+    space = load_space(space_file)
+    Path("runs").mkdir(exist_ok=True)
+    be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
+    fams = _families_for(space, families, be.target)
+    name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch)
+    pool = CompilePool(jobs) if be.needs_cubin else None
+    if be.simulated:
+        console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
+    baselines = be.baseline(shp)
+    if record:
+        record_baseline(record, shp, baselines)
+    console.print(f"{shp}: {shp.flops / 1e9:.1f} GFLOP; cuBLAS {baselines['cublas']:.2f} us "
+                  f"({shp.tflops(baselines['cublas']):.1f} TFLOP/s) on {be.target.name}; families {', '.join(fams)}")
+    started = time.perf_counter()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
+        task = bar.add_task("tuning", total=trials, status="")
+
+        def on_progress(p, rec) -> None:
+            best = (f"best {p.best_us:.2f} us {p.best_tflops:.1f} TFLOP/s" if p.best_us else "no verified kernel yet")
+            bar.update(task, completed=min(p.done, trials),
+                       status=f"{best} | failed {p.failed} | rejected {p.invalid}")
+
+        recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
+        try:
+            st = run_tune(space, fams, shp, be, trials=trials, sampler=sampler, storage=storage, name=name,
+                          seed=seed, timeout_s=timeout, pool=pool, on_progress=on_progress, recorder=recorder,
+                          eval_timeout_s=max(20.0, baselines["cublas"] * 1e-6 * 200_000))
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]: every finished trial is saved; run the same command to resume.")
+            raise typer.Exit(130) from None
+        finally:
+            be.close()
+            if pool:
+                pool.close()
+    elapsed = time.perf_counter() - started
+    out_console.print(_summary(st, shp))
+    data = export_studies([st])
+    path = write_json(data, Path("runs") / f"{name}.json")
+    if output:
+        write_json(data, output)
+    n = sum(1 for t in st.get_trials(deepcopy=False) if t.user_attrs.get("status") not in (None, "invalid"))
+    console.print(f"{elapsed:.0f} s this run; study holds {n} measured trials; "
+                  f"best config JSON: {path}" + (f" and {output}" if output else ""))
+    if not data["entries"]:
+        console.print("[red]no candidate passed verification[/]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def render(
+    family: str = typer.Option(..., "--family", "-f", help="Kernel family (see space.yaml)."),
+    shape: str = typer.Option("4096x4096x8192", "--shape", "-s", help="Shape the config is checked against."),
+    sets: list[str] = typer.Option([], "--set", help="KNOB=VALUE; unset knobs take the family default."),
+    arch: str = typer.Option("sm_90a", help="Target arch."),
+    space_file: Path = SpaceOpt,
+) -> None:
+    """Print the CUDA source of one config, as the tuner would build it."""
+    from tuner.render import render as render_source
+    from tuner.shapes import parse_shape
+    from tuner.space import load_space
+    from tuner.target import target_for_arch
+
+    space = load_space(space_file)
+    fam = space.family(family)
+    config = fam.complete(_parse_sets(sets))
+    target = target_for_arch(arch)
+    why = fam.violations(config, parse_shape(shape), target)
+    if why:
+        raise UserError(f"config rejected for {shape} on {arch}: {'; '.join(why)}")
+    launch = fam.launch_geometry(config, parse_shape(shape), target)
+    console.print(f"// launch: grid={launch.grid} block={launch.block} smem={launch.smem} "
+                  f"runtime knobs: {{{', '.join(f'{k.name}={config[k.name]}' for k in fam.runtime_knobs)}}}")
+    sys.stdout.write(render_source(fam, config, arch))
+
+
+@app.command()
+def show(
+    shape: str | None = typer.Option(None, "--shape", "-s", help="Show the best trial of this shape's study."),
+    study: str | None = typer.Option(None, help="Study name (see `hgemm-tune studies`)."),
+    trial: int | None = typer.Option(None, help="Trial number (default: the best)."),
+    storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage URL."),
+    space_file: Path = SpaceOpt,
+) -> None:
+    """Print the CUDA source of a finished trial (the best one by default)."""
+    from tuner.export import best_trial, load_studies
+    from tuner.render import render as render_source
+    from tuner.render import source_hash
+    from tuner.space import load_space
+
+    studies = load_studies(storage, [study] if study else None)
+    if shape and not study:
+        studies = [s for s in studies if s.user_attrs.get("shape") == shape]
+    if len(studies) != 1:
+        names = ", ".join(s.study_name for s in studies) or "none"
+        raise UserError(f"pick one study with --study (matching: {names})")
+    st = studies[0]
+    t = st.trials[trial] if trial is not None else best_trial(st)
+    if t is None or trial is not None and not 0 <= trial < len(st.trials):
+        raise UserError(f"study {st.study_name} has no such trial")
+    a = t.user_attrs
+    fam = load_space(space_file).family(a["family"])
+    source = render_source(fam, fam.complete(a["config"]), st.user_attrs["target"]["arch"])
+    if a.get("source_hash") and source_hash(source) != a["source_hash"]:
+        console.print("[yellow]warning[/]: the template changed since this trial ran; this is today's rendering")
+    console.print(f"// trial {t.number}: {a.get('status')} {a.get('time_us')} us, variant {a.get('variant')}")
+    sys.stdout.write(source)
+
+
+@app.command()
+def studies(storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage URL.")) -> None:
+    """List the studies in a storage with their best time."""
+    from tuner.export import best_trial, load_studies
+
+    table = Table("study", "trials", "best us", "TFLOP/s", "vs cuBLAS")
+    for st in load_studies(storage):
+        b = best_trial(st)
+        table.add_row(st.study_name, str(len(st.trials)), _fmt(b.value if b else None, ".2f"),
+                      _fmt(b.user_attrs.get("tflops") if b else None, ".1f"),
+                      _fmt(b.user_attrs.get("speedup_cublas") if b else None, ".3f"))
+    out_console.print(table)
+
+
+@app.command()
+def export(
+    storage: str = typer.Argument(DEFAULT_STORAGE, help="Optuna storage URL holding the studies."),
+    output: Path = typer.Option(Path("best.json"), "-o", "--output", help="JSON file to write."),
+    study: list[str] = typer.Option([], help="Only these studies (default: all)."),
+) -> None:
+    """Write the best verified config of every study as JSON."""
+    from tuner.export import export_studies, load_studies, write_json
+
+    data = export_studies(load_studies(storage, study or None))
+    write_json(data, output)
+    console.print(f"{len(data['entries'])} entries -> {output}" + ("  [SIMULATED]" if data["simulated"] else ""))
+
+
+@app.command()
+def doctor() -> None:
+    """Check the GPU, its arch, nvcc, the CUTLASS headers and cupy."""
+    from tuner.compile import cutlass_include, cutlass_version, nvcc_path, nvcc_version
+
+    table = Table("check", "status", "detail")
+    ok = True
+
+    def row(name: str, good: bool, detail: str, required: bool = True) -> None:
+        nonlocal ok
+        ok &= good or not required
+        status = "[green]ok[/]" if good else ("[red]missing[/]" if required else "[yellow]optional[/]")
+        table.add_row(name, status, detail)
+
+    try:
+        row("nvcc", True, f"{nvcc_path()} (CUDA {nvcc_version()})")
+    except UserError as exc:
+        row("nvcc", False, str(exc))
+    try:
+        row("CUTLASS/CuTe headers", True, f"{cutlass_include()} (nvidia-cutlass {cutlass_version()})")
+    except UserError as exc:
+        row("CUTLASS/CuTe headers", False, str(exc))
+    try:
+        import cupy
+
+        row("cupy", True, cupy.__version__)
+        try:
+            from tuner.target import target_from_device
+
+            props = cupy.cuda.runtime.getDeviceProperties(0)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+            t = target_from_device(props, name)
+            row("GPU", True, f"{name}: cc {t.cc}, build {t.arch}, {t.sm_count} SMs, "
+                f"{t.max_smem // 1024} KiB smem/block, driver {cupy.cuda.runtime.driverGetVersion()}")
+        except Exception as exc:  # noqa: BLE001 - any CUDA failure means: no usable GPU
+            row("GPU", False, f"no usable CUDA device: {exc}")
+    except ImportError:
+        row("cupy", False, "pip install 'hgemm-tune[gpu]' (cupy-cuda13x) to measure on a GPU")
+    for mod, why in (("optuna", "search"), ("nvmath", "cuBLASLt baselines"), ("openai", "LLM proposer")):
+        try:
+            m = __import__(mod)
+            row(mod, True, getattr(m, "__version__", "installed"))
+        except ImportError:
+            row(mod, False, f"not installed ({why})", required=mod == "optuna")
+    row("cpu cores", True, f"{os.cpu_count()} (one nvcc job each)")
+    row("disk", True, f"{shutil.disk_usage('.').free // 2**30} GiB free here")
+    out_console.print(table)
+    if not ok:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    # `hgemm-tune --shape ...` is `hgemm-tune tune --shape ...`.
+    argv = sys.argv[1:]
+    if argv and argv[0].startswith("-") and argv[0] not in ("--help", "-h"):
+        sys.argv.insert(1, "tune")
+    try:
+        app(standalone_mode=True)
+    except UserError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

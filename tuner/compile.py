@@ -1,0 +1,148 @@
+"""nvcc: CUDA source -> device-only cubin, cached, in parallel, with a per-job timeout."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tuner.errors import UserError
+
+DEFAULT_CACHE = Path(os.environ.get("HGEMM_TUNE_CACHE", Path.home() / ".cache" / "hgemm-tune" / "cubins"))
+DEFAULT_TIMEOUT_S = 240.0
+
+
+@dataclass
+class CompileResult:
+    ok: bool
+    key: str
+    cubin: str | None          # path of the cached cubin
+    seconds: float             # wall time of nvcc (0 for a cache hit)
+    cached: bool
+    error: str | None = None   # compiler output on failure (kept for the report and the proposer)
+    registers: int | None = None
+    spill_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def nvcc_path() -> str:
+    found = shutil.which("nvcc") or next(
+        (p for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc") if os.path.exists(p)), None)
+    if not found:
+        raise UserError("nvcc not found: install the CUDA toolkit or put nvcc on PATH")
+    return found
+
+
+@functools.cache
+def nvcc_version() -> str:
+    out = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True, check=False).stdout
+    match = re.search(r"release [\d.]+, V([\d.]+)", out)
+    return match.group(1) if match else out.strip().splitlines()[-1]
+
+
+@functools.cache
+def cutlass_include() -> Path:
+    """CUTLASS/CuTe headers shipped inside the nvidia-cutlass wheel (package cutlass_library)."""
+    override = os.environ.get("HGEMM_TUNE_CUTLASS_INCLUDE")
+    if override:
+        return Path(override)
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("CUTLASS headers not found: pip install nvidia-cutlass (or set HGEMM_TUNE_CUTLASS_INCLUDE)")
+    include = Path(next(iter(spec.submodule_search_locations))) / "source" / "include"
+    if not (include / "cute" / "tensor.hpp").is_file():
+        raise UserError(f"CUTLASS headers not found under {include}: reinstall nvidia-cutlass")
+    return include
+
+
+@functools.cache
+def cutlass_version() -> str:
+    try:
+        return importlib.metadata.version("nvidia-cutlass")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def nvcc_flags(arch: str) -> list[str]:
+    # -gencode with code=sm_XX only: one device pass, no embedded PTX (see DESIGN.md).
+    virtual = "compute_" + arch.removeprefix("sm_")
+    return ["-cubin", "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+            f"-gencode=arch={virtual},code={arch}", "-Xptxas=-v", f"-I{cutlass_include()}"]
+
+
+def cache_key(source: str, arch: str) -> str:
+    h = hashlib.sha256()
+    for part in (source, " ".join(nvcc_flags(arch)), nvcc_version(), cutlass_version()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return (int(regs[-1]) if regs else None, int(spills[-1]) if spills else None)
+
+
+def compile_source(source: str, arch: str, cache_dir: Path = DEFAULT_CACHE,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> CompileResult:
+    key = cache_key(source, arch)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cubin = cache_dir / f"{key}.cubin"
+    meta = cache_dir / f"{key}.log"
+    if cubin.is_file():
+        regs, spills = _parse_ptxas(meta.read_text()) if meta.is_file() else (None, None)
+        return CompileResult(True, key, str(cubin), 0.0, True, None, regs, spills)
+    with tempfile.TemporaryDirectory(prefix="hgemm-nvcc-") as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(source)
+        out = Path(tmp) / "kernel.cubin"
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([nvcc_path(), *nvcc_flags(arch), "-o", str(out), str(src)],
+                                  capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return CompileResult(False, key, None, time.perf_counter() - start, False,
+                                 f"nvcc timed out after {timeout_s:.0f} s")
+        seconds = time.perf_counter() - start
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or not out.is_file():
+            # Keep the first errors: they name the line, the rest is usually template noise.
+            errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
+            text = "\n".join(errors[:20]) or log[-4000:]
+            return CompileResult(False, key, None, seconds, False, f"nvcc exit {proc.returncode}: {text}")
+        tmp_cubin = cache_dir / f".{key}.{os.getpid()}.tmp"
+        shutil.copyfile(out, tmp_cubin)
+        meta.write_text(log)
+        os.replace(tmp_cubin, cubin)  # atomic: a concurrent reader never sees half a cubin
+    regs, spills = _parse_ptxas(log)
+    return CompileResult(True, key, str(cubin), seconds, False, None, regs, spills)
+
+
+class CompilePool:
+    """One nvcc job per core; jobs are (source, arch) and results come back as futures."""
+
+    def __init__(self, jobs: int | None = None, cache_dir: Path = DEFAULT_CACHE,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.jobs = jobs or os.cpu_count() or 1
+        self.cache_dir = cache_dir
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="nvcc")
+
+    def submit(self, source: str, arch: str):
+        return self._pool.submit(compile_source, source, arch, self.cache_dir, self.timeout_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

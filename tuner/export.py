@@ -1,0 +1,142 @@
+"""Studies -> plain records -> JSON: the best configuration per (gpu, shape, layout, accumulate)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+import tuner
+from tuner.errors import UserError
+from tuner.shapes import parse_shape
+from tuner.target import Target
+
+SCHEMA_VERSION = 1
+
+
+def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    """One plain dict per finished trial (user attributes + number + state)."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if not t.state.is_finished():
+            continue
+        row = dict(t.user_attrs)
+        row.update(number=t.number, state=t.state.name, value=t.value)
+        rows.append(row)
+    return rows
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    done = [t for t in study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("status") == "ok"]
+    return min(done, key=lambda t: t.value) if done else None
+
+
+def best_per_family(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:
+    out: dict[str, optuna.trial.FrozenTrial] = {}
+    for t in study.get_trials(deepcopy=False):
+        if t.state != optuna.trial.TrialState.COMPLETE or t.user_attrs.get("status") != "ok":
+            continue
+        fam = t.user_attrs["family"]
+        if fam not in out or t.value < out[fam].value:
+            out[fam] = t
+    return out
+
+
+def study_stats(study: optuna.Study) -> dict[str, Any]:
+    rows = trial_rows(study)
+    measured = [r for r in rows if r.get("status") not in (None, "invalid", "duplicate")]
+    cold = [r["compile_s"] for r in measured if r.get("compile_s") and not r.get("cached")]
+    cached = [r for r in measured if r.get("cached")]
+    failures: dict[str, int] = {}
+    for r in measured:
+        if r.get("status") != "ok":
+            kind = r.get("kind") or r.get("status")
+            failures[kind] = failures.get(kind, 0) + 1
+    cublas = [r["cublas_us"] for r in measured if r.get("cublas_us")]
+    return {
+        "trials": len(measured), "ok": sum(1 for r in measured if r.get("status") == "ok"),
+        "invalid_rejected": sum(1 for r in rows if r.get("status") == "invalid"),
+        "duplicates": sum(1 for r in rows if r.get("status") == "duplicate"),
+        "failures": failures,
+        "compile_s_cold_median": statistics.median(cold) if cold else None,
+        "compile_cached": len(cached),
+        "cublas_us_median": statistics.median(cublas) if cublas else None,
+    }
+
+
+def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    attrs = study.user_attrs
+    shape = parse_shape(attrs["shape"])
+    target = Target(**attrs["target"])
+    a = trial.user_attrs
+    roof = target.roofline_us(shape.flops, shape.min_bytes)
+    speedups = {"cublas": a.get("speedup_cublas")}
+    return {
+        "gpu": target.name, "arch": target.arch, "shape": str(shape), "M": shape.M, "N": shape.N, "K": shape.K,
+        "layout": "TN", "accumulate": "fp32",
+        "family": a["family"], "template_hash": attrs.get("template_hashes", {}).get(a["family"]),
+        "knobs": a["config"] | a.get("variant", {}), "source_hash": a.get("source_hash"),
+        "time_us": a["time_us"], "tflops": a["tflops"], "roofline_fraction": roof / a["time_us"],
+        "baselines_us": {"cublas": a.get("cublas_us")}, "speedup": speedups,
+        "beats_vendor": bool(a.get("speedup_cublas") and a["speedup_cublas"] > 1.0),
+        "pick": a["family"] if (a.get("speedup_cublas") or 0) > 1.0 else "cublas",
+        "verification": a.get("verify", {}), "simulated": bool(a.get("simulated")),
+        "study": study.study_name, "trial": trial.number, "measured_on": a.get("gpu"),
+    }
+
+
+def export_studies(studies: list[optuna.Study]) -> dict[str, Any]:
+    entries = []
+    for study in studies:
+        trial = best_trial(study)
+        if trial is not None:
+            entries.append(entry(study, trial))
+    return {
+        "schema_version": SCHEMA_VERSION, "tool": "hgemm-tune", "tool_version": tuner.__version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "simulated": any(e["simulated"] for e in entries), "entries": entries,
+    }
+
+
+def write_json(data: dict[str, Any], path: str | Path) -> Path:
+    """Atomic write: a crash never leaves half a JSON file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_studies(storage: str, names: list[str] | None = None) -> list[optuna.Study]:
+    try:
+        summaries = optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
+    except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors
+        raise UserError(f"cannot open storage {storage!r}: {exc}") from None
+    available = [s.study_name for s in summaries]
+    chosen = names or available
+    missing = sorted(set(chosen) - set(available))
+    if missing:
+        raise UserError(f"storage {storage} has no study {missing[0]!r}; studies: {', '.join(available) or 'none'}")
+    return [optuna.load_study(study_name=n, storage=storage) for n in chosen]
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict) or "entries" not in data:
+        raise UserError(f"{path}: not an hgemm-tune export (no 'entries')")
+    return data

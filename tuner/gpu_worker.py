@@ -1,0 +1,286 @@
+"""The GPU worker: a subprocess that loads cubins with cupy, verifies and times them.
+
+Run as `python -m tuner.gpu_worker`. It reads one JSON request per line on stdin and
+writes one JSON reply per line on its original stdout (everything else goes to stderr).
+A kernel that faults poisons the CUDA context, so after a fault the worker replies and
+exits; the parent (tuner.bench.GpuBackend) starts a new one. A hang is handled by the
+parent's timeout. Nothing here decides what to try next: it measures what it is told.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from tuner import verify
+
+GUARD = 4096          # elements of guard band on each side of every buffer
+POISON = 0x7E5A       # a NaN bit pattern: unwritten outputs stay NaN, guards are compared bitwise
+REPLAYS = 7           # timed graph replays per contender (median taken)
+GRAPH_TARGET_MS = 3.0  # each graph replay runs about this long
+
+
+class KernelFault(Exception):
+    """A CUDA error during a candidate's launch: the context is unusable afterwards."""
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+class Buffers:
+    """A, B, C with guard bands, for one shape; reused across candidates of that shape."""
+
+    def __init__(self, M: int, N: int, K: int):
+        cp = _cp()
+        self.M, self.N, self.K = M, N, K
+        self.a_flat = cp.empty(M * K + 2 * GUARD, dtype=cp.float16)
+        self.b_flat = cp.empty(N * K + 2 * GUARD, dtype=cp.float16)
+        self.c_flat = cp.empty(M * N + 2 * GUARD, dtype=cp.float16)
+        self.A = self.a_flat[GUARD:GUARD + M * K].reshape(M, K)
+        self.B = self.b_flat[GUARD:GUARD + N * K].reshape(N, K)
+        self.C = self.c_flat[GUARD:GUARD + M * N].reshape(M, N)
+        for flat in (self.a_flat, self.b_flat, self.c_flat):
+            flat.view(cp.uint16).fill(POISON)
+
+    def guards_intact(self) -> list[str]:
+        cp = _cp()
+        bad = []
+        for name, flat in (("A", self.a_flat), ("B", self.b_flat), ("C", self.c_flat)):
+            bits = flat.view(cp.uint16)
+            if bool((bits[:GUARD] != POISON).any()) or bool((bits[-GUARD:] != POISON).any()):
+                bad.append(name)
+        return bad
+
+    def poison_c(self) -> None:
+        self.c_flat.view(_cp().uint16).fill(POISON)
+
+
+class Cublas:
+    """cublasGemmEx, fp16 in/out, fp32 compute, TN row-major as column-major C^T = B A^T."""
+
+    def __init__(self, compute: str = "fp32"):
+        cp = _cp()
+        from cupy_backends.cuda.libs import cublas
+
+        self.cublas = cublas
+        self.handle = cp.cuda.device.get_cublas_handle()
+        self.compute = compute
+        self.alpha = np.array(1.0, dtype=np.float32 if compute == "fp32" else np.float16)
+        self.beta = np.array(0.0, dtype=self.alpha.dtype)
+
+    def __call__(self, buf: Buffers, stream) -> None:
+        cb = self.cublas
+        cb.setStream(self.handle, stream.ptr)
+        # cublasComputeType_t: CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_16F = 64
+        compute_type = 68 if self.compute == "fp32" else 64
+        r16f = 2  # CUDA_R_16F
+        cb.gemmEx(self.handle, 1, 0,  # CUBLAS_OP_T, CUBLAS_OP_N
+                  buf.N, buf.M, buf.K,
+                  self.alpha.ctypes.data, buf.B.data.ptr, r16f, buf.K,
+                  buf.A.data.ptr, r16f, buf.K, self.beta.ctypes.data,
+                  buf.C.data.ptr, r16f, buf.N, compute_type, -1)
+
+
+class Candidate:
+    """One cubin's `hgemm` entry, launched with a fixed geometry and a run-time variant."""
+
+    def __init__(self, cubin: str, launch: dict[str, int]):
+        cp = _cp()
+        self.module = cp.RawModule(path=cubin)
+        self.fn = self.module.get_function("hgemm")
+        self.grid, self.block, self.smem = launch["grid"], launch["block"], launch["smem"]
+        if self.smem > 48 * 1024:
+            self.fn.max_dynamic_shared_size_bytes = self.smem
+
+    def launcher(self, swizzle_log: int):
+        def launch(buf: Buffers, stream) -> None:
+            self.fn((self.grid,), (self.block,),
+                    (buf.A, buf.B, buf.C, np.int32(buf.M), np.int32(buf.N), np.int32(buf.K),
+                     np.int32(swizzle_log)),
+                    shared_mem=self.smem, stream=stream)
+        return launch
+
+
+def _sync_or_fault(stream) -> None:
+    cp = _cp()
+    try:
+        stream.synchronize()
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        raise KernelFault(str(exc)) from None
+
+
+def time_graphs(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Random) -> dict[str, float]:
+    """Offline mode: per contender a CUDA graph of back-to-back launches; replays of all
+    contenders interleaved in random order; median replay time / launches, in us."""
+    cp = _cp()
+    graphs = {}
+    for name, launch in contenders.items():
+        # Estimate one launch to size the graph (warms the kernel up as well).
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        launch(buf, stream)
+        start.record(stream)
+        for _ in range(3):
+            launch(buf, stream)
+        end.record(stream)
+        _sync_or_fault(end)
+        est_ms = max(cp.cuda.get_elapsed_time(start, end) / 3, 1e-3)
+        n = int(min(max(GRAPH_TARGET_MS / est_ms, 2), 2000))
+        stream.begin_capture()
+        for _ in range(n):
+            launch(buf, stream)
+        graph = stream.end_capture()
+        graph.launch(stream)  # warm-up replay
+        graphs[name] = (graph, n)
+    _sync_or_fault(stream)
+    samples: dict[str, list[float]] = {name: [] for name in graphs}
+    order = list(graphs)
+    events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(REPLAYS * len(order))]
+    pending = []
+    for r in range(REPLAYS):
+        rng.shuffle(order)
+        for i, name in enumerate(order):
+            graph, n = graphs[name]
+            start, end = events[r * len(order) + i]
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            pending.append((name, n, start, end))
+    _sync_or_fault(stream)
+    for name, n, start, end in pending:
+        samples[name].append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / n)
+    return {name: float(np.median(v)) for name, v in samples.items()}
+
+
+class Worker:
+    def __init__(self):
+        cp = _cp()
+        self.cp = cp
+        self.device = cp.cuda.Device()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.buffers: Buffers | None = None
+        self.cublas = Cublas("fp32")
+        self.rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+
+    def buffers_for(self, shape: list[int]) -> Buffers:
+        M, N, K = shape
+        if self.buffers is None or (self.buffers.M, self.buffers.N, self.buffers.K) != (M, N, K):
+            self.buffers = None
+            self.cp.get_default_memory_pool().free_all_blocks()
+            self.buffers = Buffers(M, N, K)
+        return self.buffers
+
+    def hello(self, _req: dict) -> dict:
+        cp = self.cp
+        props = cp.cuda.runtime.getDeviceProperties(self.device.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        keep = ("major", "minor", "multiProcessorCount", "sharedMemPerBlockOptin", "maxThreadsPerBlock",
+                "l2CacheSize", "totalGlobalMem")
+        return {"status": "ok", "name": name, "props": {k: int(props[k]) for k in keep if k in props},
+                "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+                "driver": cp.cuda.runtime.driverGetVersion(),
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+    def baseline(self, req: dict) -> dict:
+        buf = self.buffers_for(req["shape"])
+        verify.fill_normal(buf)
+        times = time_graphs({"cublas": lambda b, s: self.cublas(b, s)}, buf, self.stream, self.rng)
+        return {"status": "ok", "baselines": times}
+
+    def evaluate(self, req: dict) -> dict:
+        """Verify then time one cubin (all its run-time variants) against cuBLAS."""
+        buf = self.buffers_for(req["shape"])
+        try:
+            cand = Candidate(req["cubin"], req["launch"])
+        except Exception as exc:  # noqa: BLE001 - a cubin that will not load is a failed trial
+            return {"status": "failed", "kind": "load", "reason": f"cubin does not load: {exc}"}
+        variants = req["variants"]
+        launchers = {json.dumps(v, sort_keys=True): cand.launcher(int(v.get("SWIZZLE_LOG", 0))) for v in variants}
+        try:
+            # Verify the first variant fully and every variant on fresh random data:
+            # run-time knobs change the tile order, so each must still be right.
+            first = next(iter(launchers.values()))
+            report = verify.full_check(first, lambda b, s: self.cublas(b, s), buf, self.stream)
+            if report["ok"]:
+                for key, launch in list(launchers.items())[1:]:
+                    sub = verify.random_check(launch, lambda b, s: self.cublas(b, s), buf, self.stream)
+                    if not sub["ok"]:
+                        report = sub | {"variant": json.loads(key)}
+                        break
+            if not report["ok"]:
+                return {"status": "failed", "kind": report.get("kind", "wrong"), "reason": report["reason"],
+                        "verify": report}
+            if not req.get("time", True):
+                return {"status": "ok", "verify": report, "times": {}, "baselines": {}}
+            verify.fill_normal(buf)
+            contenders = dict(launchers)
+            contenders["cublas"] = lambda b, s: self.cublas(b, s)
+            times = time_graphs(contenders, buf, self.stream, self.rng)
+        except KernelFault as exc:
+            return {"status": "fault", "kind": "fault", "reason": f"CUDA error: {exc}", "fatal": True}
+        baselines = {"cublas": times.pop("cublas")}
+        return {"status": "ok", "verify": report,
+                "times": {k: v for k, v in times.items()}, "baselines": baselines}
+
+
+    def compare(self, req: dict) -> dict:
+        """Benchmark: verify several candidates, then time them and cuBLAS interleaved in one run."""
+        buf = self.buffers_for(req["shape"])
+        contenders, reports = {}, {}
+        for name, cand_req in req["candidates"].items():
+            cand = Candidate(cand_req["cubin"], cand_req["launch"])
+            launch = cand.launcher(int(cand_req["variant"].get("SWIZZLE_LOG", 0)))
+            report = verify.full_check(launch, lambda b, s: self.cublas(b, s), buf, self.stream)
+            reports[name] = report
+            if report["ok"]:
+                contenders[name] = launch
+        verify.fill_normal(buf)
+        contenders["cublas"] = lambda b, s: self.cublas(b, s)
+        times = time_graphs(contenders, buf, self.stream, self.rng)
+        return {"status": "ok", "times": times, "verify": reports}
+
+
+def main() -> None:
+    # Replies go to the real stdout; anything a library prints goes to stderr.
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    out = os.fdopen(reply_fd, "w", buffering=1)
+    try:
+        worker = Worker()
+    except Exception as exc:  # noqa: BLE001 - no GPU, no cupy: tell the parent in one line
+        out.write(json.dumps({"status": "error", "kind": "no_gpu", "reason": f"GPU worker cannot start: {exc}"}) + "\n")
+        return
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        op = req.get("op")
+        started = time.perf_counter()
+        try:
+            reply = getattr(worker, op)(req) if op in ("hello", "baseline", "evaluate", "compare") else {
+                "status": "error", "reason": f"unknown op {op!r}"}
+        except KernelFault as exc:
+            reply = {"status": "fault", "kind": "fault", "reason": f"CUDA error: {exc}", "fatal": True}
+        except Exception as exc:  # noqa: BLE001 - report, then let the parent decide
+            traceback.print_exc()
+            # A CUDA error surfacing outside a launch (e.g. in a later cupy call) is still the kernel's fault.
+            cuda = "CUDA" in type(exc).__name__ or "cudaError" in str(exc)
+            reply = {"status": "fault" if cuda else "error", "kind": "fault" if cuda else "worker",
+                     "reason": f"{type(exc).__name__}: {exc}", "fatal": True}
+        reply["worker_s"] = time.perf_counter() - started
+        out.write(json.dumps(reply) + "\n")
+        if reply.get("fatal"):
+            return
+
+
+if __name__ == "__main__":
+    main()

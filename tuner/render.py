@@ -1,0 +1,46 @@
+"""Render one kernel configuration of a family into a self-contained CUDA source."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import SandboxedEnvironment
+
+from tuner.errors import UserError
+from tuner.space import Family
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+ENTRY = "hgemm"
+
+
+def make_env(templates_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
+    # Sandboxed even for our own templates: the proposer writes templates too, and one
+    # code path means the LLM's templates get no more power than ours.
+    return SandboxedEnvironment(
+        loader=jinja2.FileSystemLoader(str(templates_dir)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def template_hash(family: Family, templates_dir: Path = TEMPLATES_DIR) -> str:
+    return hashlib.sha256((templates_dir / family.template).read_bytes()).hexdigest()[:16]
+
+
+def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Path = TEMPLATES_DIR) -> str:
+    """CUDA source for the compile-time knobs of `config` (run-time knobs are kernel args)."""
+    params = family.compile_config(config)
+    try:
+        template = make_env(templates_dir).get_template(family.template)
+        return template.render(family=family.name, entry=ENTRY, arch=arch, **params)
+    except jinja2.TemplateError as exc:
+        where = f"{family.template}:{getattr(exc, 'lineno', '?')}"
+        raise UserError(f"template {where} does not render: {type(exc).__name__}: {exc}") from None
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]

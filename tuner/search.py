@@ -1,0 +1,329 @@
+"""Optuna search over the compile-time knobs of one or more families, for one shape.
+
+The loop asks trials ahead and keeps the nvcc pool busy while the GPU measures the
+oldest compiled candidate; each trial's record (params, source hash, compile time,
+time, TFLOP/s, verification, failure reason) lives in the Optuna storage as user
+attributes, so an interrupted study keeps every finished trial and resumes.
+Run-time knobs are not sampled: every cubin is timed at all of their values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+
+from tuner.bench import EvalRequest, Measurement, config_key
+from tuner.compile import CompilePool, CompileResult
+from tuner.errors import UserError
+from tuner.render import render, source_hash, template_hash
+from tuner.shapes import Shape
+from tuner.space import Family, Space
+
+SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid")
+FAILED_VALUE = float("inf")
+
+
+def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.samplers.BaseSampler:
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=12)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed)
+    if name == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+    if name == "grid":
+        grid: dict[str, list] = {"family": [f.name for f in families]}
+        for fam in families:
+            for knob in fam.compile_knobs:
+                grid[f"{fam.name}.{knob.name}"] = list(knob.values)
+        return optuna.samplers.GridSampler(grid, seed=seed)
+    raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+def study_name(shape: Shape, families: list[Family], arch: str, layout: str = "TN", acc: str = "f32") -> str:
+    return f"{shape}-{layout}-{acc}acc-{arch}-{'+'.join(f.name for f in families)}"
+
+
+def suggest(trial: optuna.Trial, families: list[Family]) -> tuple[Family, dict[str, Any]]:
+    """Family first, then that family's compile-time knobs (namespaced by family)."""
+    fam_by_name = {f.name: f for f in families}
+    name = trial.suggest_categorical("family", list(fam_by_name))
+    fam = fam_by_name[name]
+    config = {k.name: trial.suggest_categorical(f"{name}.{k.name}", list(k.values)) for k in fam.compile_knobs}
+    return fam, config
+
+
+def trial_params(fam: Family, config: dict[str, Any]) -> dict[str, Any]:
+    return {"family": fam.name} | {f"{fam.name}.{k}": v for k, v in config.items()}
+
+
+@dataclass
+class TrialRecord:
+    """What one trial did, as stored in the trial's user attributes."""
+
+    family: str
+    config: dict[str, Any]
+    status: str                       # ok | invalid | compile_error | failed | fault | timeout | not_recorded | ...
+    source_hash: str = ""
+    cache_key: str = ""
+    compile_s: float = 0.0
+    cached: bool = False
+    registers: int | None = None
+    spill_bytes: int | None = None
+    time_us: float | None = None
+    tflops: float | None = None
+    variant: dict[str, Any] = field(default_factory=dict)
+    variant_times_us: dict[str, float] = field(default_factory=dict)
+    cublas_us: float | None = None
+    speedup_cublas: float | None = None
+    verify: dict[str, Any] = field(default_factory=dict)
+    kind: str | None = None
+    reason: str | None = None
+    simulated: bool = False
+    gpu: str = ""
+    duplicate_of: int | None = None
+
+    def attrs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def record_from_measurement(rec: TrialRecord, shape: Shape, m: Measurement, peak_tflops: float) -> TrialRecord:
+    rec.simulated, rec.gpu = m.simulated, m.gpu
+    rec.verify = m.verify
+    rec.variant_times_us = m.times_us
+    rec.cublas_us = m.baselines_us.get("cublas")
+    if not m.ok:
+        rec.status, rec.kind, rec.reason = m.status if m.status != "ok" else "failed", m.kind, m.reason
+        return rec
+    variant, t = m.best()
+    tflops = shape.tflops(t)
+    if tflops > peak_tflops * 1.02:
+        # Faster than the hardware can go: a measurement bug, never a result.
+        rec.status, rec.kind = "failed", "impossible"
+        rec.reason = f"{tflops:.0f} TFLOP/s is above the {peak_tflops:.0f} TFLOP/s peak: measurement bug"
+        return rec
+    rec.status, rec.time_us, rec.tflops, rec.variant = "ok", t, tflops, variant
+    if rec.cublas_us:
+        rec.speedup_cublas = rec.cublas_us / t
+    return rec
+
+
+@dataclass
+class Pending:
+    trial: optuna.Trial | None
+    family: Family
+    config: dict[str, Any]
+    record: TrialRecord
+    future: Any = None                # Future[CompileResult] or None (replay / cached)
+    request: EvalRequest | None = None
+
+
+def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: CompilePool | None) -> Pending:
+    """Validate, render and (if the backend runs real code) start compiling one config."""
+    full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
+    rec = TrialRecord(family=fam.name, config=fam.compile_config(full), status="pending")
+    why = fam.violations(full, shape, backend.target)
+    if why:
+        rec.status, rec.kind, rec.reason = "invalid", "invalid", "; ".join(why)
+        return Pending(None, fam, rec.config, rec)
+    launch = fam.launch_geometry(full, shape, backend.target)
+    # Every run-time variant must satisfy the constraints too.
+    variants = [v for v in fam.runtime_variants() if not fam.violations(full | v, shape, backend.target)]
+    source = render(fam, full, backend.target.arch)
+    rec.source_hash = source_hash(source)
+    req = EvalRequest(fam.name, rec.config, shape, None,
+                      {"grid": launch.grid, "block": launch.block, "smem": launch.smem}, variants)
+    pending = Pending(None, fam, rec.config, rec, request=req)
+    if backend.needs_cubin:
+        if pool is None:
+            raise UserError("a compile pool is needed for a real GPU backend")
+        pending.future = pool.submit(source, backend.target.arch)
+    return pending
+
+
+def finish(p: Pending, shape: Shape, backend, timeout_s: float,
+           recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> TrialRecord:
+    """Wait for the compile, then measure on the backend."""
+    rec = p.record
+    if rec.status == "invalid":
+        return rec
+    assert p.request is not None
+    if p.future is not None:
+        cres: CompileResult = p.future.result()
+        rec.cache_key, rec.compile_s, rec.cached = cres.key, cres.seconds, cres.cached
+        rec.registers, rec.spill_bytes = cres.registers, cres.spill_bytes
+        if not cres.ok:
+            rec.status, rec.kind, rec.reason = "compile_error", "compile", cres.error
+            return rec
+        p.request.cubin = cres.cubin
+    m = backend.evaluate(p.request, timeout_s=timeout_s)
+    if recorder is not None and not m.simulated:
+        recorder(p.request, m)
+    return record_from_measurement(rec, shape, m, backend.target.peak_tflops)
+
+
+@dataclass
+class Progress:
+    done: int = 0
+    invalid: int = 0
+    failed: int = 0
+    duplicates: int = 0
+    best_us: float | None = None
+    best_tflops: float | None = None
+    compile_s: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> None:
+    for key, value in rec.attrs().items():
+        trial.set_user_attr(key, value)
+    if rec.status == "ok" and rec.time_us is not None:
+        study.tell(trial, rec.time_us)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def fail_stale_running(study: optuna.Study) -> int:
+    """Trials left RUNNING by a killed single-process run can never finish: mark them failed."""
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study._storage.set_trial_user_attr(t._trial_id, "reason", "interrupted: the tuner stopped mid-trial")
+        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        n += 1
+    return n
+
+
+def measured_trials(study: optuna.Study) -> int:
+    """Trials that count toward --trials: everything evaluated, not configs rejected before nvcc."""
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.state.is_finished() and t.user_attrs.get("status") not in (None, "invalid"))
+
+
+def seed_configs(fam: Family, shape: Shape) -> list[dict[str, Any]]:
+    """Configs worth trying first: the family default, then tile sizes matched to the shape."""
+    seeds = [fam.compile_config(fam.defaults())]
+    knobs = {k.name: k for k in fam.compile_knobs}
+    if {"BM", "BN"} <= set(knobs):
+        for bm, bn in ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64)):
+            if bm in knobs["BM"].values and bn in knobs["BN"].values:
+                seeds.append(fam.compile_config(fam.defaults() | {"BM": bm, "BN": bn}))
+    out, seen = [], set()
+    for s in seeds:
+        key = json.dumps(s, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials: int, sampler: str = "tpe",
+         storage: str, name: str | None = None, seed: int | None = None, timeout_s: float | None = None,
+         pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
+         on_progress: Callable[[Progress, TrialRecord | None], None] | None = None,
+         recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> optuna.Study:
+    families = [space.family(n) for n in family_names]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    name = name or study_name(shape, families, backend.target.arch)
+    try:
+        study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                    sampler=make_sampler(sampler, seed, families), load_if_exists=True)
+    except (ValueError, ImportError, optuna.exceptions.StorageInternalError) as exc:
+        raise UserError(f"cannot open storage {storage!r}: {exc}") from None
+    study.set_user_attr("shape", str(shape))
+    study.set_user_attr("families", [f.name for f in families])
+    study.set_user_attr("target", backend.target.to_dict())
+    study.set_user_attr("backend", backend.name)
+    study.set_user_attr("simulated", backend.simulated)
+    study.set_user_attr("template_hashes", {f.name: template_hash(f) for f in families})
+    fail_stale_running(study)
+
+    # Configs this study already measured are never compiled or timed again.
+    seen: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        if t.state.is_finished() and "config" in t.user_attrs:
+            seen.setdefault(config_key(t.user_attrs["family"], t.user_attrs["config"]), t.number)
+    if not seen:
+        for fam in families:
+            for cfg in seed_configs(fam, shape):
+                study.enqueue_trial(trial_params(fam, cfg), skip_if_exists=True)
+
+    progress = Progress(done=measured_trials(study))
+    best = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+    if best:
+        b = min(best, key=lambda t: t.value)
+        progress.best_us, progress.best_tflops = b.value, b.user_attrs.get("tflops")
+    # Ask ahead enough to keep every nvcc job busy while the GPU measures.
+    lookahead = lookahead or (2 * pool.jobs if pool else 8)
+    deadline = time.perf_counter() + timeout_s if timeout_s else None
+    max_asks = trials * 30 + 100  # the sampler may keep proposing invalid configs: bound it
+    asks = 0
+    queue: deque[Pending] = deque()
+    in_queue: set[str] = set()
+
+    def want_more() -> bool:
+        return (progress.done + len(queue) < trials and asks < max_asks
+                and (deadline is None or time.perf_counter() < deadline))
+
+    try:
+        while True:
+            # Keep the compile pool fed: ask ahead while the GPU works on the oldest.
+            while want_more() and len(queue) < lookahead:
+                trial = study.ask()
+                asks += 1
+                fam, config = suggest(trial, families)
+                key = config_key(fam.name, config)
+                if key in seen or key in in_queue:
+                    prev = seen.get(key)
+                    prev_trial = study.trials[prev] if prev is not None else None
+                    if prev_trial is not None and prev_trial.state == optuna.trial.TrialState.COMPLETE:
+                        trial.set_user_attr("duplicate_of", prev)
+                        trial.set_user_attr("status", "duplicate")
+                        study.tell(trial, prev_trial.value)
+                    else:
+                        trial.set_user_attr("status", "invalid" if prev_trial is None else "duplicate")
+                        trial.set_user_attr("duplicate_of", prev)
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    progress.duplicates += 1
+                    continue
+                p = prepare(fam, config, shape, backend, pool)
+                p.trial = trial
+                if p.record.status == "invalid":
+                    _tell(study, trial, p.record)
+                    seen[key] = trial.number
+                    progress.invalid += 1
+                    continue
+                queue.append(p)
+                in_queue.add(key)
+            if not queue:
+                break
+            p = queue.popleft()
+            rec = finish(p, shape, backend, eval_timeout_s, recorder)
+            assert p.trial is not None
+            _tell(study, p.trial, rec)
+            key = config_key(p.family.name, p.config)
+            in_queue.discard(key)
+            seen[key] = p.trial.number
+            progress.done += 1
+            if rec.compile_s and not rec.cached:
+                progress.compile_s.append(rec.compile_s)
+            if rec.status == "ok" and rec.time_us is not None:
+                if progress.best_us is None or rec.time_us < progress.best_us:
+                    progress.best_us, progress.best_tflops = rec.time_us, rec.tflops
+            else:
+                progress.failed += 1
+            if on_progress:
+                on_progress(progress, rec)
+    except KeyboardInterrupt:
+        for p in queue:
+            if p.trial is not None:
+                p.trial.set_user_attr("reason", "interrupted")
+                study.tell(p.trial, state=optuna.trial.TrialState.FAIL)
+        raise
+    return study

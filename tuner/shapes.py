@@ -1,0 +1,47 @@
+"""GEMM shapes: parsing "MxNxK" strings and the arithmetic every stage needs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tuner.errors import UserError
+
+_SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """C (M x N) = A (M x K) * B^T with B stored N x K ("TN")."""
+
+    M: int
+    N: int
+    K: int
+
+    def __str__(self) -> str:
+        return f"{self.M}x{self.N}x{self.K}"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.N * self.K
+
+    @property
+    def min_bytes(self) -> int:
+        """Each fp16 input read once, the fp16 output written once."""
+        return 2 * (self.M * self.K + self.N * self.K + self.M * self.N)
+
+    def tflops(self, time_us: float) -> float:
+        return self.flops / (time_us * 1e-6) / 1e12
+
+
+def parse_shape(text: str) -> Shape:
+    """Parse "4096x4096x8192" (M x N x K); every dimension must be >= 1."""
+    match = _SHAPE_RE.match(str(text))
+    if not match:
+        raise UserError(f"bad shape {text!r}: expected MxNxK with three positive integers, e.g. 4096x4096x8192")
+    m, n, k = (int(g) for g in match.groups())
+    if min(m, n, k) < 1:
+        raise UserError(f"bad shape {text!r}: M, N and K must all be >= 1")
+    if max(m, n, k) > 1 << 20:
+        raise UserError(f"bad shape {text!r}: dimensions above 1048576 are not supported")
+    return Shape(m, n, k)

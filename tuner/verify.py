@@ -1,0 +1,141 @@
+"""Correctness checks a candidate must pass before any of its times counts (runs in the GPU worker).
+
+Each check draws fresh inputs, poisons C with NaN, launches, then checks:
+- exact:      0/1 inputs; every output whose true value is below 2048 must match exactly;
+- random:     N(0,1) inputs; error against an fp32 reference within a small factor of
+              cuBLAS's own error on the same inputs;
+- accumulate: A = 1, B = 1 + 2^-10, K >= 2048: the exact sum is only reachable with fp32
+              accumulation (fp16 accumulation drops the 2^-10 terms once the sum passes 2048);
+- every check: no NaN left in C (all of it written), guard bands around A, B, C unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+RANDOM_FACTOR = 2.0     # candidate normwise error may be this many times cuBLAS's
+RANDOM_MAX_FACTOR = 4.0  # and its worst element error this many times cuBLAS's worst
+EXACT_LIMIT = 2048       # fp16 represents every integer up to 2048
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _run(launch: Callable, buf, stream) -> None:
+    from tuner.gpu_worker import _sync_or_fault
+
+    buf.poison_c()
+    launch(buf, stream)
+    _sync_or_fault(stream)
+
+
+def _reference(buf):
+    cp = _cp()
+    return buf.A.astype(cp.float32) @ buf.B.astype(cp.float32).T
+
+
+def fill_normal(buf) -> None:
+    cp = _cp()
+    buf.A[...] = cp.random.standard_normal(buf.A.shape, dtype=cp.float32).astype(cp.float16)
+    buf.B[...] = cp.random.standard_normal(buf.B.shape, dtype=cp.float32).astype(cp.float16)
+
+
+def _common_failures(buf) -> dict[str, Any] | None:
+    cp = _cp()
+    bad_guards = buf.guards_intact()
+    if bad_guards:
+        return {"ok": False, "kind": "out_of_bounds",
+                "reason": f"guard band around {', '.join(bad_guards)} overwritten (out-of-bounds write)"}
+    nan = int(cp.isnan(buf.C).sum())
+    if nan:
+        return {"ok": False, "kind": "unwritten", "reason": f"{nan} of {buf.C.size} outputs left unwritten (NaN)"}
+    return None
+
+
+def exact_check(launch: Callable, buf, stream) -> dict[str, Any]:
+    cp = _cp()
+    p = 0.5 if buf.K <= 2048 else 1.0 / 3.0  # keep most sums under 2048 when K is large
+    buf.A[...] = (cp.random.random(buf.A.shape, dtype=cp.float32) < p).astype(cp.float16)
+    buf.B[...] = (cp.random.random(buf.B.shape, dtype=cp.float32) < p).astype(cp.float16)
+    _run(launch, buf, stream)
+    fail = _common_failures(buf)
+    if fail:
+        return fail
+    ref = _reference(buf)
+    mask = ref < EXACT_LIMIT
+    wrong = int(((buf.C.astype(cp.float32) != ref) & mask).sum())
+    checked = int(mask.sum())
+    if wrong:
+        idx = cp.argwhere((buf.C.astype(cp.float32) != ref) & mask)[0].get().tolist()
+        return {"ok": False, "kind": "wrong",
+                "reason": f"0/1 inputs: {wrong} of {checked} exact outputs differ, first at (m,n)={tuple(idx)}: "
+                          f"got {float(buf.C[idx[0], idx[1]])}, want {float(ref[idx[0], idx[1]])}"}
+    return {"ok": True, "exact_checked": checked}
+
+
+def _errors(c, ref) -> tuple[float, float]:
+    cp = _cp()
+    diff = c.astype(cp.float32) - ref
+    norm = float(cp.linalg.norm(ref)) or 1.0
+    return float(cp.linalg.norm(diff)) / norm, float(cp.abs(diff).max()) / (float(cp.abs(ref).max()) or 1.0)
+
+
+def random_check(launch: Callable, cublas: Callable, buf, stream) -> dict[str, Any]:
+    fill_normal(buf)
+    ref = _reference(buf)
+    _run(cublas, buf, stream)
+    base_rel, base_max = _errors(buf.C, ref)
+    _run(launch, buf, stream)
+    fail = _common_failures(buf)
+    if fail:
+        return fail
+    rel, worst = _errors(buf.C, ref)
+    # The floor keeps a bit-exact cuBLAS (error 0 on tiny K) from failing every candidate.
+    tol_rel = RANDOM_FACTOR * max(base_rel, 2.0 ** -12)
+    tol_max = RANDOM_MAX_FACTOR * max(base_max, 2.0 ** -11)
+    stats = {"rel_err": rel, "max_err": worst, "cublas_rel_err": base_rel, "cublas_max_err": base_max}
+    if not np.isfinite(rel) or rel > tol_rel or worst > tol_max:
+        return {"ok": False, "kind": "wrong",
+                "reason": f"random inputs: relative error {rel:.3g} (max {worst:.3g}) vs cuBLAS "
+                          f"{base_rel:.3g} (max {base_max:.3g})", **stats}
+    return {"ok": True, **stats}
+
+
+def accumulate_check(launch: Callable, buf, stream) -> dict[str, Any]:
+    cp = _cp()
+    buf.A[...] = cp.float16(1.0)
+    buf.B[...] = cp.float16(1.0 + 2.0 ** -10)
+    _run(launch, buf, stream)
+    fail = _common_failures(buf)
+    if fail:
+        return fail
+    want = float(np.float16(buf.K * (1.0 + 2.0 ** -10)))
+    wrong = int((buf.C.astype(cp.float32) != want).sum())
+    if wrong:
+        got = float(buf.C.ravel()[int(cp.argmax(buf.C.astype(cp.float32) != want))])
+        return {"ok": False, "kind": "accumulate",
+                "reason": f"fp32-accumulation check: {wrong} outputs differ from {want} (e.g. {got}); "
+                          "looks like fp16 accumulation"}
+    return {"ok": True}
+
+
+def full_check(launch: Callable, cublas: Callable, buf, stream) -> dict[str, Any]:
+    report: dict[str, Any] = {"ok": True, "checks": []}
+    steps = [("exact", lambda: exact_check(launch, buf, stream)),
+             ("random", lambda: random_check(launch, cublas, buf, stream))]
+    if buf.K >= 2048:
+        steps.append(("accumulate", lambda: accumulate_check(launch, buf, stream)))
+    for name, step in steps:
+        result = step()
+        if not result["ok"]:
+            return result | {"check": name, "checks": report["checks"]}
+        report["checks"].append(name)
+        report.update({k: v for k, v in result.items() if k != "ok"})
+    report["guards"] = "intact"
+    return report

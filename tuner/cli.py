@@ -323,7 +323,7 @@ def main() -> None:
     try:
         app(standalone_mode=True)
     except UserError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        print(f"error: {exc}", file=sys.stderr)  # one plain line: no wrapping, no markup
         sys.exit(2)
 
 

@@ -12,11 +12,10 @@ from jinja2.sandbox import SandboxedEnvironment
 from tuner.errors import UserError
 from tuner.space import Family
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 ENTRY = "hgemm"
 
 
-def make_env(templates_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
+def make_env(templates_dir: Path) -> SandboxedEnvironment:
     # Sandboxed even for our own templates: the proposer writes templates too, and one
     # code path means the LLM's templates get no more power than ours.
     return SandboxedEnvironment(
@@ -27,15 +26,15 @@ def make_env(templates_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
     )
 
 
-def template_hash(family: Family, templates_dir: Path = TEMPLATES_DIR) -> str:
-    return hashlib.sha256((templates_dir / family.template).read_bytes()).hexdigest()[:16]
+def template_hash(family: Family) -> str:
+    return hashlib.sha256((family.templates_dir / family.template).read_bytes()).hexdigest()[:16]
 
 
-def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Path = TEMPLATES_DIR) -> str:
+def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Path | None = None) -> str:
     """CUDA source for the compile-time knobs of `config` (run-time knobs are kernel args)."""
     params = family.compile_config(config)
     try:
-        template = make_env(templates_dir).get_template(family.template)
+        template = make_env(templates_dir or family.templates_dir).get_template(family.template)
         return template.render(family=family.name, entry=ENTRY, arch=arch, **params)
     except jinja2.TemplateError as exc:
         where = f"{family.template}:{getattr(exc, 'lineno', '?')}"

@@ -146,6 +146,7 @@ class Family:
     derived: dict[str, Expr]
     constraints: list[Constraint]
     launch: dict[str, Expr]
+    templates_dir: Path = Path("templates")  # beside the space file that declared the family
 
     @property
     def compile_knobs(self) -> list[Knob]:
@@ -308,7 +309,7 @@ class _Loader:
             raise self.fail(keys + ("template",), f"template file {template_path} not found")
         return Family(name=str(name), template=str(template), description=str(raw.get("description", "")),
                       min_arch=int(raw.get("min_arch", 70)), knobs=knobs, derived=derived,
-                      constraints=constraints, launch=launch)
+                      constraints=constraints, launch=launch, templates_dir=template_path.parent)
 
     def shapes(self, raw: Any) -> dict[str, list[Shape]]:
         out: dict[str, list[Shape]] = {}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, then run the given steps, logs under $OUT.
+#   bash benchmarks/device_run.sh smoke gpu-tests tune bench
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=/tmp/cubins
+OUT=${OUT:-runs/out}; mkdir -p "$OUT" runs
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    smoke) timeout 300 python3 benchmarks/smoke.py --out "$OUT" 2>&1 | tee "$OUT/smoke.log" | tail -45 ;;
+    gpu-tests) timeout 300 python3 -m pytest -q -m gpu tests -x -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    tune) timeout 420 python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
+            --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
+            | tee "$OUT/tune.log" | grep -v "tuning" | tail -30 ;;
+    bench) timeout 540 python3 benchmarks/bench_families.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+cp runs/hgemm.db "$OUT/" 2>/dev/null
+echo "=== done $(date +%T)"

@@ -1,0 +1,58 @@
+"""The command line: bad input gives one clear line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("shape", ["4096x4096", "0x1x1", "axbxc"])
+def test_bad_shape_one_line_exit_2(shape):
+    res = run("--shape", shape, "--trials", "3", "--backend", "replay", "--replay", "x.jsonl")
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "bad shape" in lines[0] and shape in lines[0]
+
+
+def test_broken_space_one_line_exit_2(tmp_path):
+    bad = tmp_path / "space.yaml"
+    bad.write_text("version: 1\nfamilies:\n  wmma:\n    template: wmma.cu.j2\n    knobs: [1, 2]\n    launch: {}\n")
+    res = run("render", "--family", "wmma", "--space", str(bad))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert f"{bad}:5: families.wmma.knobs: expected a mapping" in res.stderr.replace("\n", "")
+
+
+def test_render_prints_the_source_with_overrides():
+    res = run("render", "--family", "cute_sm80", "--shape", "4096x4096x8192", "--set", "BM=256", "--set", "WARP_M=4")
+    assert res.returncode == 0, res.stderr
+    assert "constexpr int BM = 256;" in res.stdout and 'extern "C" __global__' in res.stdout
+    assert "grid=" in res.stderr
+
+
+def test_render_rejects_invalid_config_with_the_reason():
+    res = run("render", "--family", "cute_sm80", "--shape", "4096x4095x8192")
+    assert res.returncode == 2 and "divisible by 8" in res.stderr
+
+
+def test_unknown_knob():
+    res = run("render", "--family", "wmma", "--set", "BQ=3")
+    assert res.returncode == 2 and "unknown knob" in res.stderr
+
+
+def test_default_command_is_tune():
+    res = run("--help")
+    assert res.returncode == 0 and "tune" in res.stdout
+    res = run("--shape", "64x64x64", "--backend", "replay")
+    assert res.returncode == 2 and "--replay FILE" in res.stderr

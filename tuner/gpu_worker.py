@@ -68,19 +68,27 @@ class Buffers:
 class Cublas:
     """cublasGemmEx, fp16 in/out, fp32 compute, TN row-major as column-major C^T = B A^T."""
 
-    def __init__(self, compute: str = "fp32"):
+    def __init__(self, stream, compute: str = "fp32"):
         cp = _cp()
         from cupy_backends.cuda.libs import cublas
 
         self.cublas = cublas
         self.handle = cp.cuda.device.get_cublas_handle()
+        # cupy refuses setStream while a stream is capturing (gemmEx itself is fine), so
+        # bind the worker's one stream once, outside any capture.
+        cublas.setStream(self.handle, stream.ptr)
+        self.stream_ptr = stream.ptr
+        if hasattr(cublas, "setWorkspace"):
+            # A fixed workspace keeps cuBLAS from allocating inside a graph capture.
+            self.workspace = cp.empty(32 << 20, dtype=cp.uint8)
+            cublas.setWorkspace(self.handle, self.workspace.data.ptr, self.workspace.nbytes)
         self.compute = compute
         self.alpha = np.array(1.0, dtype=np.float32 if compute == "fp32" else np.float16)
         self.beta = np.array(0.0, dtype=self.alpha.dtype)
 
     def __call__(self, buf: Buffers, stream) -> None:
         cb = self.cublas
-        cb.setStream(self.handle, stream.ptr)
+        assert stream.ptr == self.stream_ptr, "cuBLAS is bound to the worker's stream"
         # cublasComputeType_t: CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_16F = 64
         compute_type = 68 if self.compute == "fp32" else 64
         r16f = 2  # CUDA_R_16F
@@ -167,8 +175,9 @@ class Worker:
         self.cp = cp
         self.device = cp.cuda.Device()
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self.stream.use()  # every cupy op (inputs, references, checks) is ordered with the kernels
         self.buffers: Buffers | None = None
-        self.cublas = Cublas("fp32")
+        self.cublas = Cublas(self.stream, "fp32")
         self.rng = random.Random(int.from_bytes(os.urandom(4), "little"))
 
     def buffers_for(self, shape: list[int]) -> Buffers:

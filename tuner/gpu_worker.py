@@ -9,6 +9,7 @@ parent's timeout. Nothing here decides what to try next: it measures what it is 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -65,38 +66,56 @@ class Buffers:
         self.c_flat.view(_cp().uint16).fill(POISON)
 
 
+def _libcublas() -> ctypes.CDLL:
+    """The libcublas cupy already loaded (same library and version cupy itself uses)."""
+    _cp().cuda.device.get_cublas_handle()  # makes cupy load libcublas
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            path = line.split()[-1]
+            if "/libcublas.so" in path:
+                return ctypes.CDLL(path)
+    return ctypes.CDLL("libcublas.so")
+
+
 class Cublas:
-    """cublasGemmEx, fp16 in/out, fp32 compute, TN row-major as column-major C^T = B A^T."""
+    """cublasGemmEx, fp16 in/out, fp32 compute, TN row-major as column-major C^T = B A^T.
+
+    Called through ctypes on a handle of our own: cupy's wrapper refuses to run inside a
+    stream capture, while cuBLAS itself captures fine with a fixed workspace.
+    """
 
     def __init__(self, stream, compute: str = "fp32"):
         cp = _cp()
-        from cupy_backends.cuda.libs import cublas
-
-        self.cublas = cublas
-        self.handle = cp.cuda.device.get_cublas_handle()
-        # cupy refuses setStream while a stream is capturing (gemmEx itself is fine), so
-        # bind the worker's one stream once, outside any capture.
-        cublas.setStream(self.handle, stream.ptr)
+        lib = self.lib = _libcublas()
+        self.handle = ctypes.c_void_p()
+        self._check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self._check(lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+        self.workspace = cp.empty(32 << 20, dtype=cp.uint8)
+        self._check(lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self.workspace.data.ptr),
+                                              ctypes.c_size_t(self.workspace.nbytes)), "cublasSetWorkspace")
+        lib.cublasGemmEx.restype = ctypes.c_int
+        i, p = ctypes.c_int, ctypes.c_void_p
+        lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
         self.stream_ptr = stream.ptr
-        if hasattr(cublas, "setWorkspace"):
-            # A fixed workspace keeps cuBLAS from allocating inside a graph capture.
-            self.workspace = cp.empty(32 << 20, dtype=cp.uint8)
-            cublas.setWorkspace(self.handle, self.workspace.data.ptr, self.workspace.nbytes)
         self.compute = compute
+        # cublasComputeType_t: CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_16F = 64
+        self.compute_type = 68 if compute == "fp32" else 64
         self.alpha = np.array(1.0, dtype=np.float32 if compute == "fp32" else np.float16)
         self.beta = np.array(0.0, dtype=self.alpha.dtype)
 
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
     def __call__(self, buf: Buffers, stream) -> None:
-        cb = self.cublas
         assert stream.ptr == self.stream_ptr, "cuBLAS is bound to the worker's stream"
-        # cublasComputeType_t: CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_16F = 64
-        compute_type = 68 if self.compute == "fp32" else 64
         r16f = 2  # CUDA_R_16F
-        cb.gemmEx(self.handle, 1, 0,  # CUBLAS_OP_T, CUBLAS_OP_N
-                  buf.N, buf.M, buf.K,
-                  self.alpha.ctypes.data, buf.B.data.ptr, r16f, buf.K,
-                  buf.A.data.ptr, r16f, buf.K, self.beta.ctypes.data,
-                  buf.C.data.ptr, r16f, buf.N, compute_type, -1)
+        status = self.lib.cublasGemmEx(
+            self.handle, 1, 0, buf.N, buf.M, buf.K,  # CUBLAS_OP_T, CUBLAS_OP_N
+            self.alpha.ctypes.data, buf.B.data.ptr, r16f, buf.K, buf.A.data.ptr, r16f, buf.K,
+            self.beta.ctypes.data, buf.C.data.ptr, r16f, buf.N, self.compute_type, -1)
+        self._check(status, "cublasGemmEx")
 
 
 class Candidate:

@@ -121,7 +121,7 @@ def tune(
     from tuner.bench import record_baseline, record_measurement
     from tuner.compile import CompilePool
     from tuner.export import export_studies, write_json
-    from tuner.search import study_name
+    from tuner.search import measured_trials, study_name
     from tuner.search import tune as run_tune
     from tuner.shapes import parse_shape
     from tuner.space import load_space
@@ -168,7 +168,7 @@ def tune(
     path = write_json(data, Path("runs") / f"{name}.json")
     if output:
         write_json(data, output)
-    n = sum(1 for t in st.get_trials(deepcopy=False) if t.user_attrs.get("status") not in (None, "invalid"))
+    n = measured_trials(st)
     console.print(f"{elapsed:.0f} s this run; study holds {n} measured trials; "
                   f"best config JSON: {path}" + (f" and {output}" if output else ""))
     if not data["entries"]:

@@ -203,7 +203,7 @@ def fail_stale_running(study: optuna.Study) -> int:
 def measured_trials(study: optuna.Study) -> int:
     """Trials that count toward --trials: everything evaluated, not configs rejected before nvcc."""
     return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.state.is_finished() and t.user_attrs.get("status") not in (None, "invalid"))
+               if t.state.is_finished() and t.user_attrs.get("status") not in (None, "invalid", "duplicate"))
 
 
 def seed_configs(fam: Family, shape: Shape) -> list[dict[str, Any]]:

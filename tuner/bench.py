@@ -49,6 +49,7 @@ class Measurement:
     simulated: bool = False
     gpu: str = ""
     seconds: float = 0.0
+    gpu_state: dict[str, Any] = field(default_factory=dict)  # SM clock / power / temperature after timing
 
     @property
     def ok(self) -> bool:
@@ -164,7 +165,7 @@ class GpuBackend:
                                                 "fault" if status == "fault" else "failed"),
             kind=reply.get("kind"), reason=reply.get("reason"), times_us=reply.get("times", {}),
             baselines_us=reply.get("baselines", {}), verify=reply.get("verify", {}), gpu=self.name,
-            seconds=time.perf_counter() - start)
+            seconds=time.perf_counter() - start, gpu_state=reply.get("gpu_state", {}))
 
     def compare(self, shape: Shape, candidates: dict[str, dict], timeout_s: float = 300.0) -> dict:
         """Verify each candidate ({name: {cubin, launch, variant}}), then time all and cuBLAS together."""

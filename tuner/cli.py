@@ -27,7 +27,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   pretty_exceptions_enable=False,
                   help="Find, verify and export the fastest fp16 GEMM kernel per shape on your NVIDIA GPU.")
 console = Console(stderr=True)
-out_console = Console()
+# Tables go to stdout; when that is a file or pipe, do not squeeze them to 80 columns.
+out_console = Console(width=None if sys.stdout.isatty() else 220)
 
 DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
 SpaceOpt = typer.Option(Path("space.yaml"), "--space", help="Search-space file (families, knobs, constraints).")

@@ -188,6 +188,21 @@ def time_graphs(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Ra
     return {name: float(np.median(v)) for name, v in samples.items()}
 
 
+def gpu_state() -> dict[str, Any]:
+    """SM clock, power and temperature right after timing: to tell throttling from slowness."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)}
+    except Exception:  # noqa: BLE001 - NVML is optional: no state is better than a failed trial
+        return {}
+
+
 class Worker:
     def __init__(self):
         cp = _cp()
@@ -256,8 +271,8 @@ class Worker:
         except KernelFault as exc:
             return {"status": "fault", "kind": "fault", "reason": f"CUDA error: {exc}", "fatal": True}
         baselines = {"cublas": times.pop("cublas")}
-        return {"status": "ok", "verify": report,
-                "times": {k: v for k, v in times.items()}, "baselines": baselines}
+        return {"status": "ok", "verify": report, "times": dict(times), "baselines": baselines,
+                "gpu_state": gpu_state()}
 
 
     def compare(self, req: dict) -> dict:
@@ -274,7 +289,7 @@ class Worker:
         verify.fill_normal(buf)
         contenders["cublas"] = lambda b, s: self.cublas(b, s)
         times = time_graphs(contenders, buf, self.stream, self.rng)
-        return {"status": "ok", "times": times, "verify": reports}
+        return {"status": "ok", "times": times, "verify": reports, "gpu_state": gpu_state()}
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,10 @@ FAILED_VALUE = float("inf")
 
 def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.samplers.BaseSampler:
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=12)
+        # multivariate+group: knobs of one family are modelled jointly, families apart.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=12)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "gp":
@@ -89,13 +93,14 @@ class TrialRecord:
     simulated: bool = False
     gpu: str = ""
     duplicate_of: int | None = None
+    gpu_state: dict[str, Any] = field(default_factory=dict)
 
     def attrs(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
 
 
 def record_from_measurement(rec: TrialRecord, shape: Shape, m: Measurement, peak_tflops: float) -> TrialRecord:
-    rec.simulated, rec.gpu = m.simulated, m.gpu
+    rec.simulated, rec.gpu, rec.gpu_state = m.simulated, m.gpu, m.gpu_state
     rec.verify = m.verify
     rec.variant_times_us = m.times_us
     rec.cublas_us = m.baselines_us.get("cublas")

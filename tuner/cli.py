@@ -302,7 +302,7 @@ def doctor() -> None:
         except Exception as exc:  # noqa: BLE001 - any CUDA failure means: no usable GPU
             row("GPU", False, f"no usable CUDA device: {exc}")
     except ImportError:
-        row("cupy", False, "pip install 'hgemm-tune[gpu]' (cupy-cuda13x) to measure on a GPU")
+        row("cupy", False, "pip install 'hgemm-tune\\[gpu]' (cupy-cuda13x) to measure on a GPU")
     for mod, why in (("optuna", "search"), ("nvmath", "cuBLASLt baselines"), ("openai", "LLM proposer")):
         try:
             m = __import__(mod)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -98,32 +99,110 @@ def _summary(study, shape) -> Table:
     return table
 
 
+def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeout, jobs, record, label="tuning"):
+    """Run the search in this process with a progress bar; returns the study."""
+    from tuner.bench import record_baseline, record_measurement
+    from tuner.compile import CompilePool
+    from tuner.search import tune as run_tune
+
+    pool = CompilePool(jobs) if be.needs_cubin else None
+    try:
+        baselines = be.baseline(shp)
+        if record:
+            record_baseline(record, shp, baselines)
+        console.print(f"{shp}: {shp.flops / 1e9:.1f} GFLOP; cuBLAS {baselines['cublas']:.2f} us "
+                      f"({shp.tflops(baselines['cublas']):.1f} TFLOP/s) on {be.name}; families {', '.join(fams)}")
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
+            task = bar.add_task(label, total=trials, status="")
+
+            def on_progress(p, rec) -> None:
+                best = f"best {p.best_us:.2f} us {p.best_tflops:.1f} TFLOP/s" if p.best_us else "no verified kernel yet"
+                bar.update(task, completed=min(p.done, trials),
+                           status=f"{best} | failed {p.failed} | rejected {p.invalid}")
+
+            recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
+            return run_tune(space, fams, shp, be, trials=trials, sampler=sampler, storage=storage, name=name,
+                            seed=seed, timeout_s=timeout, pool=pool, on_progress=on_progress, recorder=recorder,
+                            eval_timeout_s=max(20.0, baselines["cublas"] * 1e-6 * 200_000))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: every finished trial is saved; run the same command to resume.")
+        raise typer.Exit(130) from None
+    finally:
+        be.close()
+        if pool:
+            pool.close()
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+        return max(1, sum(1 for line in out.splitlines() if line.startswith("GPU ")))
+    except (OSError, subprocess.TimeoutExpired):
+        return 1
+
+
+def _spawn_workers(n: int, name: str, storage: str, trials: int, args: list[str], jobs: int | None,
+                   backend: str) -> None:
+    """N `hgemm-tune worker` processes on one study, one per GPU (round robin), sharing the
+    compile cache on disk; this process only shows their joint progress."""
+    from tuner.export import best_trial
+    from tuner.search import measured_trials, open_study
+
+    gpus = _gpu_count() if backend == "gpu" else 1
+    per_jobs = jobs or max(1, (os.cpu_count() or 1) // n)
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, "-m", "tuner.cli", "worker", "--study", name, "--storage", storage,
+               "--trials", str(trials), "--jobs", str(per_jobs), *args]
+        if backend == "gpu":
+            cmd += ["--gpu", str(i % gpus)]
+        log = open(Path("runs") / f"worker-{i}.log", "w")  # noqa: SIM115 - closed with the process
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+    study = open_study(name, storage)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
+        task = bar.add_task(f"{n} workers", total=trials, status="")
+        try:
+            while any(p.poll() is None for p, _ in procs):
+                time.sleep(1.0)
+                b = best_trial(study)
+                bar.update(task, completed=min(measured_trials(study), trials),
+                           status=f"best {b.value:.2f} us" if b else "no verified kernel yet")
+        except KeyboardInterrupt:
+            for p, _ in procs:
+                p.terminate()
+            raise
+    for i, (p, log) in enumerate(procs):
+        log.close()
+        if p.returncode not in (0, None):
+            console.print(f"[yellow]worker {i} exited with {p.returncode}[/] (runs/worker-{i}.log)")
+
+
 @app.command()
 def tune(
     shape: str = typer.Option(..., "--shape", "-s", help="MxNxK, e.g. 4096x4096x8192 (A: MxK, B: NxK, C: MxN)."),
-    trials: int = typer.Option(100, "--trials", "-n", min=1,
+    trials: int = typer.Option(100, "--trials", "-n", min=0,
                                help="Measured trials the study should hold; a re-run resumes up to this."),
     families: str | None = typer.Option(None, "--families", "-f", help="Comma list (default: all for this GPU)."),
     sampler: str = typer.Option("tpe", help="tpe | random | gp | cmaes | grid."),
     timeout: float | None = typer.Option(None, help="Stop asking for new trials after this many seconds."),
-    storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage URL (SQLite file, PostgreSQL, ...)."),
+    storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage: sqlite:///F, postgresql://..., journal:F."),
     study: str | None = typer.Option(None, help="Study name (default: derived from shape, families, arch)."),
     backend: str = typer.Option("gpu", help="gpu: measure on this machine's GPU; replay: recorded measurements."),
     replay: Path | None = typer.Option(None, help="Recorded-measurements file for --backend replay."),
     arch: str = typer.Option("sm_90a", help="Target arch for --backend replay (a GPU backend reads the device)."),
     gpu: int | None = typer.Option(None, help="GPU index (sets CUDA_VISIBLE_DEVICES for the worker)."),
-    jobs: int | None = typer.Option(None, help="Parallel nvcc jobs (default: one per core)."),
+    workers: int = typer.Option(1, min=1, help="Worker processes on this study (one per GPU, round robin)."),
+    jobs: int | None = typer.Option(None, help="Parallel nvcc jobs (default: one per core, split among workers)."),
     seed: int | None = typer.Option(None, help="Sampler seed, for reproducible searches."),
     record: Path | None = typer.Option(None, help="Append every measurement to this replay file."),
     space_file: Path = SpaceOpt,
     output: Path | None = typer.Option(None, "-o", "--output", help="Also write the best config JSON here."),
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; export the best as JSON."""
-    from tuner.bench import record_baseline, record_measurement
-    from tuner.compile import CompilePool
     from tuner.export import export_studies, write_json
     from tuner.search import measured_trials, study_name
-    from tuner.search import tune as run_tune
     from tuner.shapes import parse_shape
     from tuner.space import load_space
 
@@ -133,36 +212,20 @@ def tune(
     be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
     fams = _families_for(space, families, be.target)
     name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch)
-    pool = CompilePool(jobs) if be.needs_cubin else None
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
-    baselines = be.baseline(shp)
-    if record:
-        record_baseline(record, shp, baselines)
-    console.print(f"{shp}: {shp.flops / 1e9:.1f} GFLOP; cuBLAS {baselines['cublas']:.2f} us "
-                  f"({shp.tflops(baselines['cublas']):.1f} TFLOP/s) on {be.target.name}; families {', '.join(fams)}")
     started = time.perf_counter()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
-        task = bar.add_task("tuning", total=trials, status="")
-
-        def on_progress(p, rec) -> None:
-            best = (f"best {p.best_us:.2f} us {p.best_tflops:.1f} TFLOP/s" if p.best_us else "no verified kernel yet")
-            bar.update(task, completed=min(p.done, trials),
-                       status=f"{best} | failed {p.failed} | rejected {p.invalid}")
-
-        recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
-        try:
-            st = run_tune(space, fams, shp, be, trials=trials, sampler=sampler, storage=storage, name=name,
-                          seed=seed, timeout_s=timeout, pool=pool, on_progress=on_progress, recorder=recorder,
-                          eval_timeout_s=max(20.0, baselines["cublas"] * 1e-6 * 200_000))
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]: every finished trial is saved; run the same command to resume.")
-            raise typer.Exit(130) from None
-        finally:
-            be.close()
-            if pool:
-                pool.close()
+    common = dict(sampler=sampler, storage=storage, name=name, seed=seed, timeout=timeout, jobs=jobs)
+    if workers == 1:
+        st = _search(space, fams, shp, be, trials=trials, record=record, **common)
+    else:
+        # Create the study (attributes, seeds) here, then let the workers fill it.
+        st = _search(space, fams, shp, be, trials=0, record=None, **common)
+        args = ["--backend", backend, "--space", str(space_file), "--sampler", sampler]
+        args += ["--replay", str(replay)] if replay else []
+        args += ["--arch", arch] + (["--record", str(record)] if record else [])
+        args += ["--timeout", str(timeout)] if timeout else []
+        _spawn_workers(workers, name, storage, trials, args, jobs, backend)
     elapsed = time.perf_counter() - started
     out_console.print(_summary(st, shp))
     data = export_studies([st])
@@ -170,11 +233,49 @@ def tune(
     if output:
         write_json(data, output)
     n = measured_trials(st)
-    console.print(f"{elapsed:.0f} s this run; study holds {n} measured trials; "
+    rate = f" ({60 * n / elapsed:.1f} trials/min)" if n and workers > 1 else ""
+    console.print(f"{elapsed:.0f} s this run; study holds {n} measured trials{rate}; "
                   f"best config JSON: {path}" + (f" and {output}" if output else ""))
     if not data["entries"]:
         console.print("[red]no candidate passed verification[/]")
         raise typer.Exit(1)
+
+
+@app.command()
+def worker(
+    study: str = typer.Option(..., help="Study to join (created by `hgemm-tune tune`)."),
+    storage: str = typer.Option(DEFAULT_STORAGE,
+                                help="Storage URL shared by all workers (postgresql://... across machines)."),
+    trials: int | None = typer.Option(None, help="Stop when the study holds this many measured trials "
+                                                 "(default: the target it was created with)."),
+    backend: str = typer.Option("gpu", help="gpu or replay."),
+    replay: Path | None = typer.Option(None, help="Recorded-measurements file for --backend replay."),
+    arch: str = typer.Option("sm_90a", help="Target arch for --backend replay."),
+    gpu: int | None = typer.Option(None, help="GPU index for this worker (CUDA_VISIBLE_DEVICES)."),
+    jobs: int | None = typer.Option(None, help="Parallel nvcc jobs."),
+    sampler: str = typer.Option("tpe", help="Sampler of this worker."),
+    timeout: float | None = typer.Option(None, help="Stop asking for new trials after this many seconds."),
+    record: Path | None = typer.Option(None, help="Append every measurement to this replay file."),
+    space_file: Path = SpaceOpt,
+) -> None:
+    """Join a study as one more worker: ask, compile, measure, tell, until the study is full."""
+    from tuner.search import measured_trials, open_study
+    from tuner.shapes import parse_shape
+    from tuner.space import load_space
+
+    st = open_study(study, storage)
+    attrs = st.user_attrs
+    if "shape" not in attrs:
+        raise UserError(f"study {study!r} in {storage} was not created by hgemm-tune tune (no shape)")
+    shp = parse_shape(attrs["shape"])
+    space = load_space(space_file)
+    Path("runs").mkdir(exist_ok=True)
+    log = Path("runs") / f"gpu-worker-{gpu if gpu is not None else os.getpid()}.log"
+    be = _make_backend(backend, replay, arch, gpu, log)
+    target = trials if trials is not None else int(attrs.get("trials_target", 100))
+    st = _search(space, attrs["families"], shp, be, trials=target, sampler=sampler, storage=storage, name=study,
+                 seed=None, timeout=timeout, jobs=jobs, record=record, label=f"worker {be.name}")
+    console.print(f"worker {be.name} done: study holds {measured_trials(st)} measured trials")
 
 
 @app.command()

@@ -30,6 +30,14 @@ SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid")
 FAILED_VALUE = float("inf")
 
 
+class _AskTellGridSampler(optuna.samplers.GridSampler):
+    """GridSampler calls study.stop() once the grid is done, which only works inside
+    study.optimize; our ask/tell loop stops on its own trial count instead."""
+
+    def after_trial(self, study, trial, state, values) -> None:  # noqa: D102
+        return None
+
+
 def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.samplers.BaseSampler:
     if name == "tpe":
         # multivariate+group: knobs of one family are modelled jointly, families apart.
@@ -47,7 +55,7 @@ def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.
         for fam in families:
             for knob in fam.compile_knobs:
                 grid[f"{fam.name}.{knob.name}"] = list(knob.values)
-        return optuna.samplers.GridSampler(grid, seed=seed)
+        return _AskTellGridSampler(grid, seed=seed)
     raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
 
 
@@ -186,23 +194,19 @@ class Progress:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> None:
-    for key, value in rec.attrs().items():
-        trial.set_user_attr(key, value)
-    if rec.status == "ok" and rec.time_us is not None:
-        study.tell(trial, rec.time_us)
-    else:
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
-
-
-def fail_stale_running(study: optuna.Study) -> int:
-    """Trials left RUNNING by a killed single-process run can never finish: mark them failed."""
-    n = 0
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study._storage.set_trial_user_attr(t._trial_id, "reason", "interrupted: the tuner stopped mid-trial")
-        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-        n += 1
-    return n
+def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
+    """Store the record and the value; False if another worker finished this trial first
+    (SQLite cannot lock rows, so two processes may pop the same enqueued trial)."""
+    try:
+        for key, value in rec.attrs().items():
+            trial.set_user_attr(key, value)
+        if rec.status == "ok" and rec.time_us is not None:
+            study.tell(trial, rec.time_us)
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    return True
 
 
 def measured_trials(study: optuna.Study) -> int:
@@ -228,41 +232,77 @@ def seed_configs(fam: Family, shape: Shape) -> list[dict[str, Any]]:
     return out
 
 
+def _key_of(trial: optuna.trial.FrozenTrial) -> str | None:
+    """The (family, compile config) a trial measures, from its params (set even while RUNNING)."""
+    fam = trial.params.get("family")
+    if fam is None:
+        return None
+    prefix = f"{fam}."
+    return config_key(fam, {k[len(prefix):]: v for k, v in trial.params.items() if k.startswith(prefix)})
+
+
+def _claimed(study: optuna.Study, exclude: int) -> dict[str, optuna.trial.FrozenTrial]:
+    """Configs that a trial of this study (any worker) measured, rejected or is measuring now."""
+    out: dict[str, optuna.trial.FrozenTrial] = {}
+    for t in study.get_trials(deepcopy=False):
+        if t.number == exclude or t.user_attrs.get("status") == "duplicate":
+            continue
+        if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("status") in (None, "interrupted", "surplus"):
+            continue  # never measured (killed or interrupted): free to measure again
+        key = _key_of(t)
+        if key is not None and (key not in out or t.state == optuna.trial.TrialState.COMPLETE):
+            out[key] = t
+    return out
+
+
+def open_study(name: str, storage, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+    from tuner.storage import open_storage
+
+    if isinstance(storage, str):
+        storage = open_storage(storage)
+    try:
+        return optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                   sampler=sampler, load_if_exists=True)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - storage errors are input errors here
+        raise UserError(f"cannot open study {name!r} in {storage!r}: {type(exc).__name__}: {exc}") from None
+
+
 def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials: int, sampler: str = "tpe",
          storage: str, name: str | None = None, seed: int | None = None, timeout_s: float | None = None,
          pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
          on_progress: Callable[[Progress, TrialRecord | None], None] | None = None,
          recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> optuna.Study:
+    """Run (or join, or resume) the study until it holds `trials` measured trials.
+
+    Several processes may run this on one study at once (`hgemm-tune worker`): the count,
+    the duplicates and the best are always read back from the shared storage."""
+    from tuner.storage import Heartbeat, open_storage
+
     families = [space.family(n) for n in family_names]
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = name or study_name(shape, families, backend.target.arch)
-    try:
-        study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
-                                    sampler=make_sampler(sampler, seed, families), load_if_exists=True)
-    except (ValueError, ImportError, optuna.exceptions.StorageInternalError) as exc:
-        raise UserError(f"cannot open storage {storage!r}: {exc}") from None
-    study.set_user_attr("shape", str(shape))
-    study.set_user_attr("families", [f.name for f in families])
-    study.set_user_attr("target", backend.target.to_dict())
-    study.set_user_attr("backend", backend.name)
-    study.set_user_attr("simulated", backend.simulated)
-    study.set_user_attr("template_hashes", {f.name: template_hash(f) for f in families})
-    fail_stale_running(study)
-
-    # Configs this study already measured are never compiled or timed again.
-    seen: dict[str, int] = {}
-    for t in study.get_trials(deepcopy=False):
-        if t.state.is_finished() and "config" in t.user_attrs:
-            seen.setdefault(config_key(t.user_attrs["family"], t.user_attrs["config"]), t.number)
-    if not seen:
+    backing = open_storage(storage)
+    study = open_study(name, backing, make_sampler(sampler, seed, families))
+    fresh = not study.get_trials(deepcopy=False)
+    for key, value in (("shape", str(shape)), ("families", [f.name for f in families]),
+                       ("target", backend.target.to_dict()), ("backend", backend.name),
+                       ("simulated", backend.simulated), ("trials_target", trials),
+                       ("template_hashes", {f.name: template_hash(f) for f in families})):
+        study.set_user_attr(key, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experimental-API and "heartbeat without optimize" notes
+        optuna.storages.fail_stale_trials(study)  # trials of workers that died: failed, re-queued
+    if fresh:
         for fam in families:
             for cfg in seed_configs(fam, shape):
                 study.enqueue_trial(trial_params(fam, cfg), skip_if_exists=True)
 
     progress = Progress(done=measured_trials(study))
-    best = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
-    if best:
-        b = min(best, key=lambda t: t.value)
+    done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+    if done:
+        b = min(done, key=lambda t: t.value)
         progress.best_us, progress.best_tflops = b.value, b.user_attrs.get("tflops")
     # Ask ahead enough to keep every nvcc job busy while the GPU measures.
     lookahead = lookahead or (2 * pool.jobs if pool else 8)
@@ -270,65 +310,75 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     max_asks = trials * 30 + 100  # the sampler may keep proposing invalid configs: bound it
     asks = 0
     queue: deque[Pending] = deque()
-    in_queue: set[str] = set()
 
     def want_more() -> bool:
         return (progress.done + len(queue) < trials and asks < max_asks
                 and (deadline is None or time.perf_counter() < deadline))
 
+    def held() -> list[int]:
+        return [p.trial._trial_id for p in list(queue) if p.trial is not None]
+
     try:
-        while True:
-            # Keep the compile pool fed: ask ahead while the GPU works on the oldest.
-            while want_more() and len(queue) < lookahead:
-                trial = study.ask()
-                asks += 1
-                fam, config = suggest(trial, families)
-                key = config_key(fam.name, config)
-                if key in seen or key in in_queue:
-                    prev = seen.get(key)
-                    prev_trial = study.trials[prev] if prev is not None else None
-                    if prev_trial is not None and prev_trial.state == optuna.trial.TrialState.COMPLETE:
-                        trial.set_user_attr("duplicate_of", prev)
+        with Heartbeat(backing, held):
+            while True:
+                # Keep the compile pool fed: ask ahead while the GPU works on the oldest.
+                while want_more() and len(queue) < lookahead:
+                    with warnings.catch_warnings():
+                        # We beat the heartbeat ourselves (Heartbeat), so Optuna's ask-side note is moot.
+                        warnings.simplefilter("ignore", UserWarning)
+                        trial = study.ask()
+                    asks += 1
+                    fam, config = suggest(trial, families)
+                    key = config_key(fam.name, config)
+                    prev = _claimed(study, exclude=trial.number).get(key)
+                    if prev is not None:
+                        # Measured, rejected or being measured already: never compile or time it twice.
                         trial.set_user_attr("status", "duplicate")
-                        study.tell(trial, prev_trial.value)
-                    else:
-                        trial.set_user_attr("status", "invalid" if prev_trial is None else "duplicate")
-                        trial.set_user_attr("duplicate_of", prev)
-                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                    progress.duplicates += 1
-                    continue
-                p = prepare(fam, config, shape, backend, pool)
-                p.trial = trial
-                if p.record.status == "invalid":
-                    _tell(study, trial, p.record)
-                    seen[key] = trial.number
-                    progress.invalid += 1
-                    continue
-                queue.append(p)
-                in_queue.add(key)
-            if not queue:
-                break
-            p = queue.popleft()
-            rec = finish(p, shape, backend, eval_timeout_s, recorder)
-            assert p.trial is not None
-            _tell(study, p.trial, rec)
-            key = config_key(p.family.name, p.config)
-            in_queue.discard(key)
-            seen[key] = p.trial.number
-            progress.done += 1
-            if rec.compile_s and not rec.cached:
-                progress.compile_s.append(rec.compile_s)
-            if rec.status == "ok" and rec.time_us is not None:
-                if progress.best_us is None or rec.time_us < progress.best_us:
-                    progress.best_us, progress.best_tflops = rec.time_us, rec.tflops
-            else:
-                progress.failed += 1
-            if on_progress:
-                on_progress(progress, rec)
+                        trial.set_user_attr("duplicate_of", prev.number)
+                        if prev.state == optuna.trial.TrialState.COMPLETE:
+                            study.tell(trial, prev.value)
+                        else:
+                            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                        progress.duplicates += 1
+                        continue
+                    p = prepare(fam, config, shape, backend, pool)
+                    p.trial = trial
+                    if p.record.status == "invalid":
+                        _tell(study, trial, p.record)
+                        progress.invalid += 1
+                        continue
+                    queue.append(p)
+                if not queue:
+                    break
+                if measured_trials(study) >= trials:
+                    # Other workers filled the study meanwhile: hand back what we hold, unmeasured.
+                    for q in queue:
+                        assert q.trial is not None
+                        q.trial.set_user_attr("status", "surplus")
+                        study.tell(q.trial, state=optuna.trial.TrialState.FAIL)
+                    queue.clear()
+                    break
+                p = queue[0]
+                rec = finish(p, shape, backend, eval_timeout_s, recorder)
+                assert p.trial is not None
+                _tell(study, p.trial, rec)
+                queue.popleft()
+                # Other workers add trials too: the count that stops us is the study's.
+                progress.done = measured_trials(study)
+                if rec.compile_s and not rec.cached:
+                    progress.compile_s.append(rec.compile_s)
+                if rec.status == "ok" and rec.time_us is not None:
+                    if progress.best_us is None or rec.time_us < progress.best_us:
+                        progress.best_us, progress.best_tflops = rec.time_us, rec.tflops
+                else:
+                    progress.failed += 1
+                if on_progress:
+                    on_progress(progress, rec)
     except KeyboardInterrupt:
         for p in queue:
             if p.trial is not None:
-                p.trial.set_user_attr("reason", "interrupted")
+                p.trial.set_user_attr("status", "interrupted")
+                p.trial.set_user_attr("reason", "interrupted before it was measured")
                 study.tell(p.trial, state=optuna.trial.TrialState.FAIL)
         raise
     return study

@@ -38,7 +38,8 @@ def grid_size(space_path: Path) -> int:
     fam = load_space(space_path).family("cute_sm80")
     knobs = fam.compile_knobs
     target, shape = target_for_arch("sm_90a"), parse_shape(SHAPE)
-    configs = [dict(zip([k.name for k in knobs], c, strict=True)) for c in itertools.product(*(k.values for k in knobs))]
+    names = [k.name for k in knobs]
+    configs = [dict(zip(names, c, strict=True)) for c in itertools.product(*(k.values for k in knobs))]
     return sum(1 for c in configs if not fam.violations(c | {"SWIZZLE_LOG": 0}, shape, target))
 
 

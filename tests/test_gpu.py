@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tuner.bench import EvalRequest, GpuBackend
@@ -98,3 +100,25 @@ def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
 def test_render_matches_what_was_measured(space):
     fam = space.family("wmma")
     assert render(fam, fam.defaults(), "sm_90a") == render(fam, fam.defaults(), "sm_90a")
+
+
+def test_study_with_broken_family_survives_every_failure(backend, tmp_path):
+    """Each planted fault ends as a failed trial of its own kind; the study completes."""
+    from tuner.compile import CompilePool
+    from tuner.search import tune
+    from tuner.space import load_space
+
+    space = load_space(Path(__file__).parent / "data" / "space_broken.yaml")
+    pool = CompilePool(4, cache_dir=tmp_path)
+    study = tune(space, ["broken"], parse_shape("256x256x512"), backend, trials=7, sampler="grid",
+                 storage=f"sqlite:///{tmp_path}/b.db", pool=pool, eval_timeout_s=15)
+    pool.close()
+    kinds = {t.params["broken.MODE"]: (t.user_attrs["status"], t.user_attrs.get("kind"))
+             for t in study.get_trials() if t.user_attrs.get("status") not in (None, "duplicate")}
+    assert kinds["ok"][0] == "ok"
+    assert kinds["wrong"][1] == "wrong"
+    assert kinds["oob"][1] == "out_of_bounds"
+    assert kinds["unwritten"][1] == "unwritten"
+    assert kinds["fault"][1] == "fault"
+    assert kinds["hang"][1] == "hang"
+    assert kinds["compile_error"][1] == "compile"

@@ -72,3 +72,29 @@ def test_sampled_configs_compile(space, h200, tmp_path, family, n):
 def test_compile_error_is_kept(tmp_path):
     res = compile_source('extern "C" __global__ void hgemm() { this is not cuda; }', "sm_90a", cache_dir=tmp_path)
     assert not res.ok and "error" in res.error and not res.cached
+
+
+@pytest.mark.nvcc
+def test_broken_family_compile_error_is_a_failed_trial(tmp_path):
+    """A kernel that does not compile fails its trial with nvcc's message; nothing stops."""
+    from pathlib import Path
+
+    from tuner.compile import CompilePool
+    from tuner.search import finish, prepare
+    from tuner.space import load_space
+    from tuner.target import target_for_arch
+
+    space = load_space(Path(__file__).parent / "data" / "space_broken.yaml")
+    fam = space.family("broken")
+
+    class CompileOnly:  # enough of a backend to reach nvcc; evaluation must not be reached
+        target, needs_cubin, simulated = target_for_arch("sm_90a"), True, False
+
+        def evaluate(self, *a, **k):
+            raise AssertionError("a kernel that does not compile must never be run")
+
+    pool = CompilePool(1, cache_dir=tmp_path)
+    shape = parse_shape("64x64x64")
+    rec = finish(prepare(fam, {"MODE": "compile_error"}, shape, CompileOnly(), pool), shape, CompileOnly(), 10)
+    pool.close()
+    assert rec.status == "compile_error" and "this_does_not_compile" in rec.reason

@@ -105,6 +105,10 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
     from tuner.compile import CompilePool
     from tuner.search import tune as run_tune
 
+    if be.needs_cubin:
+        from tuner.compile import cutlass_include, nvcc_path
+
+        nvcc_path(), cutlass_include()  # missing toolchain: one clear error before any trial
     pool = CompilePool(jobs) if be.needs_cubin else None
     try:
         baselines = be.baseline(shp)

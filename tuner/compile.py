@@ -116,6 +116,8 @@ def compile_source(source: str, arch: str, cache_dir: Path = DEFAULT_CACHE,
         except subprocess.TimeoutExpired:
             return CompileResult(False, key, None, time.perf_counter() - start, False,
                                  f"nvcc timed out after {timeout_s:.0f} s")
+        except OSError as exc:  # nvcc vanished or cannot run: this trial fails, the study goes on
+            return CompileResult(False, key, None, time.perf_counter() - start, False, f"nvcc did not run: {exc}")
         seconds = time.perf_counter() - start
         log = proc.stdout + proc.stderr
         if proc.returncode != 0 or not out.is_file():

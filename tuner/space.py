@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import itertools
 import operator
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,11 +304,11 @@ class _Loader:
             if lkey not in launch_raw:
                 raise self.fail(keys + ("launch",), f"missing {lkey!r}")
             launch[lkey] = self.expr(launch_raw[lkey], keys + ("launch", lkey), known)
-        template = raw["template"]
-        template_path = self.path.parent / "templates" / str(template)
+        # Relative to the space file's templates/ folder; may point elsewhere ("../x/y.cu.j2").
+        template_path = Path(os.path.normpath(self.path.parent / "templates" / str(raw["template"])))
         if not template_path.is_file():
             raise self.fail(keys + ("template",), f"template file {template_path} not found")
-        return Family(name=str(name), template=str(template), description=str(raw.get("description", "")),
+        return Family(name=str(name), template=template_path.name, description=str(raw.get("description", "")),
                       min_arch=int(raw.get("min_arch", 70)), knobs=knobs, derived=derived,
                       constraints=constraints, launch=launch, templates_dir=template_path.parent)
 

@@ -15,6 +15,14 @@ for step in "$@"; do
             --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
             | tee "$OUT/tune.log" | grep -v "tuning" | tail -30 ;;
     bench) timeout 540 python3 benchmarks/bench_families.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
+    doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
+    broken) timeout 300 python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
+              --space tests/data/space_broken.yaml --seed 0 --storage sqlite:///runs/broken.db 2>&1 \
+              | tee "$OUT/broken.log" | grep -v "tuning" | tail -12
+            python3 benchmarks/failure_table.py sqlite:///runs/broken.db | tee -a "$OUT/broken.log" ;;
+    workers) timeout 300 python3 -m tuner.cli --shape 2048x2048x2048 --trials 30 --families wmma --workers 2 \
+               --storage sqlite:///runs/workers.db 2>&1 | tee "$OUT/workers.log" | grep -v "workers" | tail -8
+             python3 benchmarks/failure_table.py sqlite:///runs/workers.db --by gpu | tee -a "$OUT/workers.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -16,6 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from tuner.search import NOT_MEASURED
 from tuner.shapes import parse_shape
 from tuner.space import load_space
 from tuner.target import target_for_arch
@@ -55,7 +56,7 @@ def measured(storage: str) -> list[optuna.trial.FrozenTrial]:
     (name,) = optuna.get_all_study_names(st)
     study = optuna.load_study(study_name=name, storage=st)
     return [t for t in study.get_trials() if t.state.is_finished()
-            and t.user_attrs.get("status") not in (None, "invalid", "duplicate", "surplus", "interrupted")]
+            and t.user_attrs.get("status") not in NOT_MEASURED]
 
 
 def run_grid(storage: str, workers: int, space: Path, cwd: Path) -> list[optuna.trial.FrozenTrial]:

@@ -240,6 +240,9 @@ def tune(
     rate = f" ({60 * n / elapsed:.1f} trials/min)" if n and workers > 1 else ""
     console.print(f"{elapsed:.0f} s this run; study holds {n} measured trials{rate}; "
                   f"best config JSON: {path}" + (f" and {output}" if output else ""))
+    if n < trials and not timeout:
+        console.print(f"[yellow]stopped at {n} of {trials} trials[/]: the sampler proposed no new valid config "
+                      "in many tries; the space (or what the sampler explores of it) is spent.")
     if not data["entries"]:
         console.print("[red]no candidate passed verification[/]")
         raise typer.Exit(1)

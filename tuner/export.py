@@ -14,6 +14,7 @@ import optuna
 
 import tuner
 from tuner.errors import UserError
+from tuner.search import NOT_MEASURED
 from tuner.shapes import parse_shape
 from tuner.target import Target
 
@@ -51,7 +52,7 @@ def best_per_family(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:
 
 def study_stats(study: optuna.Study) -> dict[str, Any]:
     rows = trial_rows(study)
-    measured = [r for r in rows if r.get("status") not in (None, "invalid", "duplicate")]
+    measured = [r for r in rows if r.get("status") not in NOT_MEASURED]
     cold = [r["compile_s"] for r in measured if r.get("compile_s") and not r.get("cached")]
     cached = [r for r in measured if r.get("cached")]
     failures: dict[str, int] = {}
@@ -64,6 +65,7 @@ def study_stats(study: optuna.Study) -> dict[str, Any]:
         "trials": len(measured), "ok": sum(1 for r in measured if r.get("status") == "ok"),
         "invalid_rejected": sum(1 for r in rows if r.get("status") == "invalid"),
         "duplicates": sum(1 for r in rows if r.get("status") == "duplicate"),
+        "surplus": sum(1 for r in rows if r.get("status") == "surplus"),
         "failures": failures,
         "compile_s_cold_median": statistics.median(cold) if cold else None,
         "compile_cached": len(cached),

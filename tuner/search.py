@@ -191,6 +191,7 @@ class Progress:
     best_us: float | None = None
     best_tflops: float | None = None
     compile_s: list[float] = field(default_factory=list)
+    exhausted: bool = False  # the sampler stopped proposing new valid configs
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -209,10 +210,14 @@ def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
     return True
 
 
+NOT_MEASURED = (None, "invalid", "duplicate", "surplus", "interrupted")
+STALE_PROPOSALS = 200  # this many proposals in a row without a new valid config: the space is spent
+
+
 def measured_trials(study: optuna.Study) -> int:
     """Trials that count toward --trials: everything evaluated, not configs rejected before nvcc."""
     return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.state.is_finished() and t.user_attrs.get("status") not in (None, "invalid", "duplicate"))
+               if t.state.is_finished() and t.user_attrs.get("status") not in NOT_MEASURED)
 
 
 def seed_configs(fam: Family, shape: Shape) -> list[dict[str, Any]]:
@@ -308,11 +313,11 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     lookahead = lookahead or (2 * pool.jobs if pool else 8)
     deadline = time.perf_counter() + timeout_s if timeout_s else None
     max_asks = trials * 30 + 100  # the sampler may keep proposing invalid configs: bound it
-    asks = 0
+    asks = stale = 0
     queue: deque[Pending] = deque()
 
     def want_more() -> bool:
-        return (progress.done + len(queue) < trials and asks < max_asks
+        return (progress.done + len(queue) < trials and asks < max_asks and stale < STALE_PROPOSALS
                 and (deadline is None or time.perf_counter() < deadline))
 
     def held() -> list[int]:
@@ -328,6 +333,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                         warnings.simplefilter("ignore", UserWarning)
                         trial = study.ask()
                     asks += 1
+                    stale += 1
                     fam, config = suggest(trial, families)
                     key = config_key(fam.name, config)
                     prev = _claimed(study, exclude=trial.number).get(key)
@@ -347,6 +353,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                         _tell(study, trial, p.record)
                         progress.invalid += 1
                         continue
+                    stale = 0
                     queue.append(p)
                 if not queue:
                     break
@@ -374,6 +381,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                     progress.failed += 1
                 if on_progress:
                     on_progress(progress, rec)
+        progress.exhausted = stale >= STALE_PROPOSALS
     except KeyboardInterrupt:
         for p in queue:
             if p.trial is not None:

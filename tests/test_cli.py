@@ -56,3 +56,20 @@ def test_default_command_is_tune():
     assert res.returncode == 0 and "tune" in res.stdout
     res = run("--shape", "64x64x64", "--backend", "replay")
     assert res.returncode == 2 and "--replay FILE" in res.stderr
+
+
+@pytest.mark.parametrize("url, needle", [("redis://x", "unsupported storage URL"),
+                                         ("sqlite:////nonexistent/dir/x.db", "cannot open storage")])
+def test_bad_storage_url(url, needle):
+    res = run("studies", "--storage", url)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr
+
+
+def test_no_gpu_is_one_line_exit_2():
+    pytest.importorskip("tests.conftest")
+    from tests.conftest import _gpu_reason
+
+    if _gpu_reason() is None:
+        pytest.skip("a GPU is present here")
+    res = run("--shape", "64x64x64", "--trials", "1")
+    assert res.returncode == 2 and "GPU worker cannot start" in res.stderr and "Traceback" not in res.stderr

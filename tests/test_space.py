@@ -101,3 +101,33 @@ def test_broken_space_files_name_file_line_and_key(tmp_path, broken, needle):
 def test_good_minimal_space(tmp_path):
     space = load_space(_write_space(tmp_path, GOOD))
     assert space.family("wmma").defaults() == {"BM": 64}
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SHIPPED = (ROOT / "space.yaml").read_text().splitlines()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drop=st.sets(st.integers(0, len(SHIPPED) - 1), max_size=4),
+       junk=st.lists(st.tuples(st.integers(0, len(SHIPPED) - 1), st.text(max_size=12)), max_size=3))
+def test_mangled_space_files_load_or_fail_cleanly(tmp_path, drop, junk):
+    """Any damage to space.yaml gives a loaded space or a UserError naming the file: never a crash."""
+    lines = [ln for i, ln in enumerate(SHIPPED) if i not in drop]
+    for at, text in junk:
+        lines.insert(min(at, len(lines)), text)
+    path = _write_space(tmp_path, "\n".join(lines))
+    shutil.copy(ROOT / "templates" / "cute_sm80.cu.j2", tmp_path / "templates" / "cute_sm80.cu.j2")
+    try:
+        space = load_space(path)
+    except UserError as exc:
+        assert str(path) in str(exc)
+        return
+    from tuner.target import target_for_arch
+
+    for fam in space.families.values():
+        try:
+            fam.violations(fam.defaults(), parse_shape("4096x4096x8192"), target_for_arch("sm_90a"))
+        except UserError as exc:
+            assert "expression" in str(exc)

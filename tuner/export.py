@@ -120,8 +120,11 @@ def write_json(data: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_studies(storage: str, names: list[str] | None = None) -> list[optuna.Study]:
+    from tuner.storage import open_storage
+
+    backing = open_storage(storage)
     try:
-        summaries = optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
+        summaries = optuna.get_all_study_summaries(storage=backing, include_best_trial=False)
     except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors
         raise UserError(f"cannot open storage {storage!r}: {exc}") from None
     available = [s.study_name for s in summaries]
@@ -129,7 +132,7 @@ def load_studies(storage: str, names: list[str] | None = None) -> list[optuna.St
     missing = sorted(set(chosen) - set(available))
     if missing:
         raise UserError(f"storage {storage} has no study {missing[0]!r}; studies: {', '.join(available) or 'none'}")
-    return [optuna.load_study(study_name=n, storage=storage) for n in chosen]
+    return [optuna.load_study(study_name=n, storage=backing) for n in chosen]
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

@@ -82,7 +82,10 @@ class Expr:
             raise ValueError(f"{type(node).__name__} not allowed in expression {self.text!r}")
 
     def eval(self, env: dict[str, Any]) -> Any:
-        return self._eval(self.tree, env)
+        try:
+            return self._eval(self.tree, env)
+        except (ArithmeticError, TypeError, KeyError, ValueError) as exc:
+            raise UserError(f"expression {self.text!r} failed: {type(exc).__name__}: {exc}") from None
 
     def _eval(self, node: ast.AST, env: dict[str, Any]) -> Any:
         ev = self._eval

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from helpers import finished_rows
 
 from tuner.search import NOT_MEASURED
 from tuner.shapes import parse_shape
@@ -109,15 +110,10 @@ def test_kill9_keeps_every_finished_trial(tmp_path):
     args = [sys.executable, "-m", "tuner.cli", "--shape", SHAPE, "--trials", "60", "--backend", "replay",
             "--replay", str(REPLAY), "--seed", "1", "--storage", storage, "--space", str(ROOT / "space.yaml")]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    before: list = []
     deadline = time.time() + 120
     while time.time() < deadline:
         time.sleep(0.3)
-        try:
-            before = measured(storage)
-        except Exception:  # noqa: BLE001 - the storage may not exist yet
-            continue
-        if len(before) >= 8:
+        if finished_rows(tmp_path / "k.db") >= 30:
             break
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -236,3 +236,26 @@ def record_measurement(path: Path, req: EvalRequest, m: Measurement) -> None:
 def record_baseline(path: Path, shape: Shape, baselines: dict[str, float]) -> None:
     with open(path, "a") as fh:
         fh.write(json.dumps({"type": "baseline", "shape": str(shape), "baselines_us": baselines}) + "\n")
+
+
+def records_from_study(study) -> list[dict]:
+    """Replay records (and one baseline per shape) from the real trials of a study."""
+    shape = study.user_attrs.get("shape")
+    out: list[dict] = []
+    cublas = []
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        if not t.state.is_finished() or a.get("simulated") or a.get("status") in (
+                None, "invalid", "duplicate", "surplus", "interrupted", "compile_error", "not_recorded"):
+            continue
+        m = Measurement(status="ok" if a["status"] == "ok" else a["status"], kind=a.get("kind"),
+                        reason=a.get("reason"), times_us=a.get("variant_times_us", {}),
+                        baselines_us={"cublas": a["cublas_us"]} if a.get("cublas_us") else {},
+                        verify=a.get("verify", {}), gpu=a.get("gpu", ""), gpu_state=a.get("gpu_state", {}))
+        out.append({"shape": shape, "family": a["family"], "config": a["config"], "measurement": m.to_dict()})
+        if a.get("cublas_us"):
+            cublas.append(a["cublas_us"])
+    if cublas:
+        cublas.sort()
+        out.insert(0, {"type": "baseline", "shape": shape, "baselines_us": {"cublas": cublas[len(cublas) // 2]}})
+    return out

@@ -285,6 +285,156 @@ def worker(
     console.print(f"worker {be.name} done: study holds {measured_trials(st)} measured trials")
 
 
+def _nearest_winners(storage: str, shape, families: list[str], k: int = 2) -> list[tuple[str, dict]]:
+    """Best config per family of the k nearest tuned shapes (distance: sum of |log2| ratios)."""
+    import math
+
+    from tuner.export import best_per_family, load_studies
+    from tuner.shapes import parse_shape
+
+    try:
+        studies = load_studies(storage)
+    except UserError:
+        return []
+    scored = []
+    for st in studies:
+        other = st.user_attrs.get("shape")
+        if not other or other == str(shape):
+            continue
+        o = parse_shape(other)
+        dist = sum(abs(math.log2(a / b)) for a, b in ((o.M, shape.M), (o.N, shape.N), (o.K, shape.K)))
+        scored.append((dist, st))
+    seeds: list[tuple[str, dict]] = []
+    for _, st in sorted(scored, key=lambda x: x[0])[:k]:
+        for fam, t in best_per_family(st).items():
+            if fam in families:
+                seeds.append((fam, t.user_attrs["config"]))
+    return seeds
+
+
+@app.command()
+def sweep(
+    space_file: Path = typer.Argument(Path("space.yaml"), help="Space file whose `shapes:` lists are tuned."),
+    shapes: str = typer.Option("default", help="Comma list of shape-list names in the file (e.g. subgrid27)."),
+    trials_per_shape: int = typer.Option(30, help="Measured trials per shape (resumes up to this)."),
+    time_per_shape: float | None = typer.Option(None, help="Seconds of search per shape at most."),
+    budget: float | None = typer.Option(None, help="Seconds for the whole sweep; unfinished shapes resume later."),
+    patience: int | None = typer.Option(15, help="Stop a shape after this many trials without a new best."),
+    families: str | None = typer.Option(None, "--families", "-f", help="Comma list (default: all for this GPU)."),
+    sampler: str = typer.Option("tpe", help="tpe | random | gp | cmaes | grid."),
+    storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage holding one study per shape."),
+    backend: str = typer.Option("gpu", help="gpu or replay."),
+    replay: Path | None = typer.Option(None, help="Recorded-measurements file for --backend replay."),
+    arch: str = typer.Option("sm_90a", help="Target arch for --backend replay."),
+    gpu: int | None = typer.Option(None, help="GPU index."),
+    jobs: int | None = typer.Option(None, help="Parallel nvcc jobs."),
+    seed: int | None = typer.Option(None, help="Sampler seed."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Also write the best configs JSON here."),
+) -> None:
+    """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable."""
+    import optuna
+
+    from tuner.compile import CompilePool
+    from tuner.export import best_trial, export_studies, write_json
+    from tuner.search import measured_trials, open_study, study_name
+    from tuner.search import tune as run_tune
+    from tuner.space import load_space
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    space = load_space(space_file)
+    names = [n.strip() for n in shapes.split(",") if n.strip()]
+    missing = [n for n in names if n not in space.shapes]
+    if missing:
+        raise UserError(f"{space_file}: no shape list {missing[0]!r}; lists: {', '.join(space.shapes) or 'none'}")
+    todo = sorted(dict.fromkeys(s for n in names for s in space.shapes[n]), key=lambda s: (s.flops, str(s)))
+    Path("runs").mkdir(exist_ok=True)
+    be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
+    fams = _families_for(space, families, be.target)
+    pool = CompilePool(jobs) if be.needs_cubin else None
+    if be.simulated:
+        console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
+    deadline = time.perf_counter() + budget if budget else None
+    done_studies, skipped = [], []
+    try:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
+            over = bar.add_task("shapes", total=len(todo), status="")
+            inner = bar.add_task("trials", total=trials_per_shape, status="")
+            for shp in todo:
+                if deadline and time.perf_counter() > deadline:
+                    break
+                name = study_name(shp, [space.family(f) for f in fams], be.target.arch)
+                st = open_study(name, storage)
+                if (measured_trials(st) >= trials_per_shape
+                        or st.user_attrs.get("sweep_done_trials", 0) >= trials_per_shape):
+                    done_studies.append(st)  # finished in an earlier run
+                    bar.advance(over)
+                    continue
+                try:
+                    baselines = be.baseline(shp)
+                except UserError as exc:
+                    skipped.append((str(shp), str(exc)))
+                    bar.advance(over)
+                    continue
+                bar.update(over, status=str(shp))
+                bar.reset(inner, total=trials_per_shape)
+                left = deadline - time.perf_counter() if deadline else None
+                limit = min(x for x in (time_per_shape, left) if x) if (time_per_shape or left) else None
+
+                def on_progress(p, rec) -> None:
+                    best = f"best {p.best_us:.2f} us" if p.best_us else "no verified kernel yet"
+                    bar.update(inner, completed=min(p.done, trials_per_shape), status=f"{best} | failed {p.failed}")
+
+                st = run_tune(space, fams, shp, be, trials=trials_per_shape, sampler=sampler, storage=storage,
+                              name=name, seed=seed, timeout_s=limit, pool=pool, on_progress=on_progress,
+                              warm_start=_nearest_winners(storage, shp, fams), patience=patience,
+                              eval_timeout_s=max(20.0, baselines["cublas"] * 1e-6 * 200_000))
+                if not (deadline and time.perf_counter() >= deadline):
+                    # Stopped by its count, patience or its own time box: done at this trial budget.
+                    st.set_user_attr("sweep_done_trials", trials_per_shape)
+                done_studies.append(st)
+                bar.advance(over)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: finished trials are saved; run the same sweep to continue.")
+        raise typer.Exit(130) from None
+    finally:
+        be.close()
+        if pool:
+            pool.close()
+    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "trials",
+                  title="sweep" + ("  [SIMULATED]" if be.simulated else ""))
+    for st in done_studies:
+        b = best_trial(st)
+        a = b.user_attrs if b else {}
+        table.add_row(st.user_attrs.get("shape", "?"), a.get("family", "-"), _fmt(b.value if b else None, ".2f"),
+                      _fmt(a.get("tflops"), ".1f"), _fmt(a.get("cublas_us"), ".2f"),
+                      _fmt(a.get("speedup_cublas"), ".3f"), str(measured_trials(st)))
+    out_console.print(table)
+    for shp_s, why in skipped:
+        console.print(f"[yellow]skipped {shp_s}[/]: {why}")
+    data = export_studies(done_studies)
+    path = write_json(data, Path("runs") / "sweep.json")
+    if output:
+        write_json(data, output)
+    left = len(todo) - len(done_studies) - len(skipped)
+    console.print(f"{len(done_studies)} shapes tuned, {len(skipped)} skipped, {left} left for a later run; "
+                  f"JSON: {path}" + (f" and {output}" if output else ""))
+
+
+@app.command()
+def record(
+    storage: str = typer.Argument(DEFAULT_STORAGE, help="Storage whose real (GPU) trials to write out."),
+    output: Path = typer.Option(..., "-o", "--output", help="Replay file (JSON lines) to write."),
+) -> None:
+    """Write a storage's real GPU measurements as a replay file for --backend replay."""
+    from tuner.bench import records_from_study
+    from tuner.export import load_studies
+
+    lines = [json.dumps(r) for st in load_studies(storage) for r in records_from_study(st)]
+    output.write_text("".join(line + "\n" for line in lines))
+    console.print(f"{len(lines)} records -> {output}")
+
+
 @app.command()
 def render(
     family: str = typer.Option(..., "--family", "-f", help="Kernel family (see space.yaml)."),

@@ -278,8 +278,13 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
          storage: str, name: str | None = None, seed: int | None = None, timeout_s: float | None = None,
          pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
          on_progress: Callable[[Progress, TrialRecord | None], None] | None = None,
-         recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> optuna.Study:
+         recorder: Callable[[EvalRequest, Measurement], None] | None = None,
+         warm_start: list[tuple[str, dict[str, Any]]] | None = None,
+         patience: int | None = None) -> optuna.Study:
     """Run (or join, or resume) the study until it holds `trials` measured trials.
+
+    warm_start: (family, config) pairs tried first in a fresh study (e.g. the winners of
+    nearby shapes). patience: stop once the best has not improved for this many trials.
 
     Several processes may run this on one study at once (`hgemm-tune worker`): the count,
     the duplicates and the best are always read back from the shared storage."""
@@ -300,6 +305,10 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
         warnings.simplefilter("ignore")  # experimental-API and "heartbeat without optimize" notes
         optuna.storages.fail_stale_trials(study)  # trials of workers that died: failed, re-queued
     if fresh:
+        by_name = {f.name: f for f in families}
+        for fam_name, cfg in warm_start or []:
+            if fam_name in by_name:
+                study.enqueue_trial(trial_params(by_name[fam_name], cfg), skip_if_exists=True)
         for fam in families:
             for cfg in seed_configs(fam, shape):
                 study.enqueue_trial(trial_params(fam, cfg), skip_if_exists=True)
@@ -314,10 +323,12 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     deadline = time.perf_counter() + timeout_s if timeout_s else None
     max_asks = trials * 30 + 100  # the sampler may keep proposing invalid configs: bound it
     asks = stale = 0
+    since_best = 0  # measured trials since the best improved (for patience)
     queue: deque[Pending] = deque()
 
     def want_more() -> bool:
         return (progress.done + len(queue) < trials and asks < max_asks and stale < STALE_PROPOSALS
+                and (patience is None or since_best < patience)
                 and (deadline is None or time.perf_counter() < deadline))
 
     def held() -> list[int]:
@@ -374,9 +385,11 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                 progress.done = measured_trials(study)
                 if rec.compile_s and not rec.cached:
                     progress.compile_s.append(rec.compile_s)
+                since_best += 1
                 if rec.status == "ok" and rec.time_us is not None:
                     if progress.best_us is None or rec.time_us < progress.best_us:
                         progress.best_us, progress.best_tflops = rec.time_us, rec.tflops
+                        since_best = 0
                 else:
                     progress.failed += 1
                 if on_progress:

@@ -316,18 +316,55 @@ class _Loader:
                       constraints=constraints, launch=launch, templates_dir=template_path.parent)
 
     def shapes(self, raw: Any) -> dict[str, list[Shape]]:
+        """Named shape lists: MxNxK strings, {grid: {M: [...], N: [...], K: [...]}},
+        {layers: [[N, K], ...], tokens: [M, ...]} or {preset: cuda_l2}."""
         out: dict[str, list[Shape]] = {}
         for lname, items in self.mapping(raw, ("shapes",)).items():
-            if not isinstance(items, list):
-                raise self.fail(("shapes", lname), "expected a list of MxNxK strings")
-            parsed = []
-            for i, text in enumerate(items):
-                try:
-                    parsed.append(parse_shape(text))
-                except UserError as exc:
-                    raise self.fail(("shapes", lname, i), str(exc)) from None
-            out[str(lname)] = parsed
+            keys = ("shapes", lname)
+            if isinstance(items, list):
+                parsed = []
+                for i, text in enumerate(items):
+                    try:
+                        parsed.append(parse_shape(text))
+                    except UserError as exc:
+                        raise self.fail(keys + (i,), str(exc)) from None
+            elif isinstance(items, dict) and "preset" in items:
+                if items["preset"] not in SHAPE_PRESETS:
+                    raise self.fail(keys + ("preset",), f"unknown preset {items['preset']!r}; "
+                                                        f"presets: {', '.join(SHAPE_PRESETS)}")
+                parsed = list(SHAPE_PRESETS[items["preset"]])
+            elif isinstance(items, dict) and "grid" in items:
+                grid = self.mapping(items["grid"], keys + ("grid",))
+                dims = [self.dims(grid.get(d), keys + ("grid", d)) for d in SHAPE_NAMES]
+                parsed = [Shape(m, n, k) for m, n, k in itertools.product(*dims)]
+            elif isinstance(items, dict) and "layers" in items:
+                tokens = self.dims(items.get("tokens"), keys + ("tokens",))
+                layers = items["layers"]
+                if not isinstance(layers, list) or not layers:
+                    raise self.fail(keys + ("layers",), "expected a list of [N, K] pairs")
+                nk = []
+                for i, pair in enumerate(layers):
+                    if not (isinstance(pair, list) and len(pair) == 2):
+                        raise self.fail(keys + ("layers", i), f"expected [N, K], got {pair!r}")
+                    nk.append(tuple(self.dims(pair, keys + ("layers", i))))
+                parsed = [Shape(m, n, k) for m in tokens for n, k in nk]
+            else:
+                raise self.fail(keys, "expected a list of MxNxK strings or a mapping with grid, layers or preset")
+            out[str(lname)] = list(dict.fromkeys(parsed))  # drop repeats, keep order
         return out
+
+    def dims(self, values: Any, keys: tuple) -> list[int]:
+        if (not isinstance(values, list) or not values
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)):
+            raise self.fail(keys, f"expected a non-empty list of integers >= 1, got {values!r}")
+        return values
+
+
+_CUDA_L2 = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384]
+SHAPE_PRESETS: dict[str, tuple[Shape, ...]] = {
+    # The CUDA-L2 paper's grid: {64..16384}^3, 1000 shapes.
+    "cuda_l2": tuple(Shape(m, n, k) for m, n, k in itertools.product(_CUDA_L2, _CUDA_L2, _CUDA_L2)),
+}
 
 
 def load_space(path: str | Path = "space.yaml") -> Space:

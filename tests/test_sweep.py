@@ -1,0 +1,78 @@
+"""`hgemm-tune sweep` on the replay backend: resumable, warm-started, exported."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import finished_rows
+
+from tuner.export import load_studies
+from tuner.search import NOT_MEASURED
+from tuner.space import load_space
+
+ROOT = Path(__file__).resolve().parent.parent
+REPLAY = ROOT / "tests" / "data" / "replay_h200_bench7.jsonl"
+
+
+def sweep_args(tmp_path: Path, trials: int) -> list[str]:
+    return [sys.executable, "-m", "tuner.cli", "sweep", str(ROOT / "space.yaml"), "--shapes", "default",
+            "--trials-per-shape", str(trials), "--backend", "replay", "--replay", str(REPLAY), "--seed", "0",
+            "--patience", "100", "--storage", f"sqlite:///{tmp_path}/sweep.db", "-o", str(tmp_path / "best.json")]
+
+
+def measured(tmp_path: Path) -> dict[str, list]:
+    out = {}
+    for st in load_studies(f"sqlite:///{tmp_path}/sweep.db"):
+        out[st.user_attrs["shape"]] = [(t.number, t.value) for t in st.get_trials()
+                                       if t.state.is_finished() and t.user_attrs.get("status") not in NOT_MEASURED]
+    return out
+
+
+def test_interrupted_sweep_resumes_without_repeating_or_losing(tmp_path):
+    proc = subprocess.Popen(sweep_args(tmp_path, 10), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.3)
+        if finished_rows(tmp_path / "sweep.db") >= 40:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = measured(tmp_path)
+    assert 0 < len(before) < 7, "killed mid-sweep"
+    res = subprocess.run(sweep_args(tmp_path, 10), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    after = measured(tmp_path)
+    shapes = {str(s) for s in load_space(ROOT / "space.yaml").shapes["default"]}
+    assert set(after) == shapes
+    for shape, trials in after.items():
+        assert len(trials) == 10, shape
+        assert set(before.get(shape, [])) <= set(trials), f"{shape}: finished trials lost or changed"
+    data = json.loads((tmp_path / "best.json").read_text())
+    assert {e["shape"] for e in data["entries"]} == shapes and data["simulated"]
+    # A finished sweep re-run does no work.
+    again = subprocess.run(sweep_args(tmp_path, 10), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and measured(tmp_path) == after
+
+
+def test_warm_start_seeds_from_nearest_tuned_shape(tmp_path):
+    from tuner.cli import _nearest_winners
+    from tuner.shapes import parse_shape
+
+    res = subprocess.run(sweep_args(tmp_path, 6), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    seeds = _nearest_winners(f"sqlite:///{tmp_path}/sweep.db", parse_shape("4096x4096x4096"), ["cute_sm80", "wmma"])
+    assert seeds and all(fam in ("cute_sm80", "wmma") for fam, _ in seeds)
+
+
+@pytest.mark.parametrize("bad, needle", [("nope", "no shape list 'nope'")])
+def test_unknown_shape_list(tmp_path, bad, needle):
+    res = subprocess.run([sys.executable, "-m", "tuner.cli", "sweep", str(ROOT / "space.yaml"), "--shapes", bad],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and needle in res.stderr

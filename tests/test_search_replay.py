@@ -96,3 +96,22 @@ def test_cli_replay_run_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["entries"] and data["entries"][0]["simulated"]
     assert optuna.load_study(study_name=data["entries"][0]["study"], storage=f"sqlite:///{tmp_path}/cli.db")
+
+
+def test_export_schema_rejects_damaged_files(tmp_path, space, replay):
+    from tuner.errors import UserError
+    from tuner.export import read_json, validate, write_json
+
+    study = tune(space, ["cute_sm80"], SHAPE, replay, trials=8, storage=f"sqlite:///{tmp_path}/e.db", seed=0)
+    data = export_studies([study])
+    validate(data)
+    path = write_json(data, tmp_path / "best.json")
+    assert read_json(path)["entries"]
+    bad = json.loads(path.read_text())
+    bad["entries"][0]["time_us"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="entries/0/time_us"):
+        read_json(tmp_path / "bad.json")
+    (tmp_path / "trunc.json").write_text(path.read_text()[:50])
+    with pytest.raises(UserError, match="not valid JSON"):
+        read_json(tmp_path / "trunc.json")

@@ -76,3 +76,17 @@ def test_unknown_shape_list(tmp_path, bad, needle):
     res = subprocess.run([sys.executable, "-m", "tuner.cli", "sweep", str(ROOT / "space.yaml"), "--shapes", bad],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and needle in res.stderr
+
+
+def test_report_writes_plots_from_a_sweep(tmp_path):
+    res = subprocess.run(sweep_args(tmp_path, 4), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = tmp_path / "report"
+    res = subprocess.run([sys.executable, "-m", "tuner.cli", "report", str(tmp_path / "best.json"), "--out", str(out)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for name in ("speedup_vs_flops.png", "roofline.png", "speedup_heatmap.png", "winner_knobs.png"):
+        png = (out / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000, name
+    md = (out / "report.md").read_text()
+    assert "SIMULATED" in md and "Geomean speedup: cublas:" in md and "8192x8192x8192" in md

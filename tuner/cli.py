@@ -524,6 +524,24 @@ def export(
 
 
 @app.command()
+def report(
+    source: str = typer.Argument("runs/sweep.json", help="An export JSON file, or a storage URL (sqlite:///...)."),
+    out: Path = typer.Option(Path("runs/report"), "--out", help="Folder for the PNG plots and report.md."),
+) -> None:
+    """Plots (speedup vs FLOPs, heatmap over M x N, roofline, winners' knobs) and a table."""
+    from tuner.export import export_studies, load_studies, read_json
+    from tuner.report import write_report
+
+    is_url = "://" in source or source.startswith("journal:")
+    data = export_studies(load_studies(source)) if is_url else read_json(source)
+    files = write_report(data, out)
+    if not files:
+        raise UserError(f"{source}: no verified entries to report on")
+    for f in files:
+        console.print(f"wrote {f}")
+
+
+@app.command()
 def doctor() -> None:
     """Check the GPU, its arch, nvcc, the CUTLASS headers and cupy."""
     from tuner.compile import cutlass_include, cutlass_version, nvcc_path, nvcc_version

@@ -107,8 +107,24 @@ def export_studies(studies: list[optuna.Study]) -> dict[str, Any]:
     }
 
 
+SCHEMA_PATH = Path(__file__).with_name("export_schema.json")
+
+
+def validate(data: dict[str, Any], where: str = "export") -> None:
+    """Check an export against export_schema.json; a UserError names the first problem."""
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(data), key=lambda e: list(e.path))
+    if errors:
+        err = errors[0]
+        at = "/".join(str(p) for p in err.path) or "(top level)"
+        raise UserError(f"{where}: {at}: {err.message}")
+
+
 def write_json(data: dict[str, Any], path: str | Path) -> Path:
-    """Atomic write: a crash never leaves half a JSON file behind."""
+    """Validate, then write atomically: a crash never leaves half a JSON file behind."""
+    validate(data, str(path))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -144,4 +160,5 @@ def read_json(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
     if not isinstance(data, dict) or "entries" not in data:
         raise UserError(f"{path}: not an hgemm-tune export (no 'entries')")
+    validate(data, str(path))
     return data

@@ -1,0 +1,119 @@
+"""Tables and plots from an export: where we win, where we lose, what the winners look like."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+
+def frame(data: dict[str, Any]) -> pd.DataFrame:
+    """One row per exported entry, knobs as `knob.NAME` columns."""
+    rows = []
+    for e in data["entries"]:
+        row = {k: e[k] for k in ("shape", "M", "N", "K", "family", "time_us", "tflops", "roofline_fraction",
+                                  "pick", "simulated")}
+        row["gflop"] = 2 * e["M"] * e["N"] * e["K"] / 1e9
+        for base, sp in e["speedup"].items():
+            row[f"speedup.{base}"] = sp
+        for knob, value in e["knobs"].items():
+            row[f"knob.{knob}"] = value
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def geomean(values) -> float:
+    vals = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def write_report(data: dict[str, Any], out: Path) -> list[Path]:
+    """PNG plots and a markdown table under `out`; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    df = frame(data)
+    if df.empty:
+        return []
+    tag = "  [SIMULATED]" if data.get("simulated") else ""
+    written = []
+    bases = [c.removeprefix("speedup.") for c in df.columns if c.startswith("speedup.")]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for base in bases:
+        ax.scatter(df["gflop"], df[f"speedup.{base}"], label=f"vs {base}", alpha=0.8)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("GFLOP per GEMM (log)")
+    ax.set_ylabel("speedup (baseline time / ours)")
+    ax.set_title("Speedup over the vendor libraries, same run" + tag)
+    ax.legend()
+    written.append(_save(fig, out / "speedup_vs_flops.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter(df["gflop"], df["roofline_fraction"] * 100, c="tab:green")
+    ax.set_xscale("log")
+    ax.set_xlabel("GFLOP per GEMM (log)")
+    ax.set_ylabel("% of roofline (datasheet peak / bandwidth)")
+    ax.set_title("Distance to the roofline" + tag)
+    written.append(_save(fig, out / "roofline.png"))
+
+    if "speedup.cublas" in df:
+        ks = sorted(df["K"].unique())
+        fig, axes = plt.subplots(1, len(ks), figsize=(4 * len(ks), 3.8), squeeze=False, layout="constrained")
+        for ax, k in zip(axes[0], ks, strict=True):
+            sub = df[df["K"] == k].pivot_table(index="M", columns="N", values="speedup.cublas")
+            im = ax.imshow(sub.values, cmap="RdYlGn", vmin=0, vmax=2, origin="lower")
+            ax.set_xticks(range(len(sub.columns)), [str(c) for c in sub.columns], rotation=45)
+            ax.set_yticks(range(len(sub.index)), [str(i) for i in sub.index])
+            ax.set_xlabel("N")
+            ax.set_ylabel("M")
+            ax.set_title(f"K={k}")
+        fig.colorbar(im, ax=axes[0].tolist(), label="speedup vs cuBLAS")
+        fig.suptitle("Speedup over cuBLAS by M x N" + tag)
+        written.append(_save(fig, out / "speedup_heatmap.png"))
+
+    knob_pairs = [("knob.BM", "M"), ("knob.BN", "N"), ("knob.STAGES", "K")]
+    present = [(k, d) for k, d in knob_pairs if k in df]
+    if present:
+        fig, axes = plt.subplots(1, len(present), figsize=(4 * len(present), 3.5), squeeze=False)
+        for ax, (knob, dim) in zip(axes[0], present, strict=True):
+            sub = df.dropna(subset=[knob])
+            ax.scatter(sub[dim], sub[knob], alpha=0.7)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(dim)
+            ax.set_ylabel(knob.removeprefix("knob."))
+        fig.suptitle("Knobs of the winners" + tag)
+        written.append(_save(fig, out / "winner_knobs.png"))
+
+    cols = ["shape", "family", "time_us", "tflops", "roofline_fraction"] + [f"speedup.{b}" for b in bases]
+    table = df[cols].sort_values("shape").to_markdown(index=False, floatfmt=".3f") if _has_tabulate() else \
+        df[cols].sort_values("shape").to_string(index=False)
+    geo = ", ".join(f"{b}: {geomean(df[f'speedup.{b}']):.3f}x" for b in bases)
+    md = out / "report.md"
+    md.write_text(f"# hgemm-tune report{tag}\n\nGeomean speedup: {geo}\n\n{table}\n")
+    written.append(md)
+    return written
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -122,3 +122,36 @@ def test_study_with_broken_family_survives_every_failure(backend, tmp_path):
     assert kinds["fault"][1] == "fault"
     assert kinds["hang"][1] == "hang"
     assert kinds["compile_error"][1] == "compile"
+
+
+def test_loader_matches_the_tuned_kernel_on_cupy_and_torch(tmp_path, backend):
+    """The exported kernel, run through `tuner.load`, gives the tuner's (verified) result."""
+    import cupy
+
+    from tuner import load
+    from tuner.compile import CompilePool
+    from tuner.export import export_studies, write_json
+    from tuner.search import tune
+    from tuner.space import load_space
+
+    space = load_space(Path(__file__).parent.parent / "space.yaml")
+    shape = parse_shape("512x384x256")
+    pool = CompilePool(4)
+    study = tune(space, ["wmma"], shape, backend, trials=3, storage=f"sqlite:///{tmp_path}/l.db", pool=pool)
+    pool.close()
+    data = export_studies([study])
+    data["entries"][0]["pick"] = data["entries"][0]["family"]  # run our kernel even where cuBLAS wins
+    path = write_json(data, tmp_path / "best.json")
+    gemm = load(path)
+    a = cupy.random.standard_normal((512, 256), dtype=cupy.float32).astype(cupy.float16)
+    b = cupy.random.standard_normal((384, 256), dtype=cupy.float32).astype(cupy.float16)
+    assert gemm.kernel_for(shape) is not None
+    c = gemm(a, b)
+    ref = a.astype(cupy.float32) @ b.astype(cupy.float32).T
+    assert float(cupy.abs(c.astype(cupy.float32) - ref).max()) < 0.05
+    torch = pytest.importorskip("torch")
+    ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+    tc = gemm(ta, tb)
+    assert isinstance(tc, torch.Tensor) and torch.equal(tc, torch.from_dlpack(c))
+    # A shape not in the file falls back to cuBLAS.
+    assert gemm.kernel_for(parse_shape("64x64x64")) is None

@@ -1,0 +1,102 @@
+"""Run exported kernels from Python: `gemm = load("best.json"); C = gemm(A, B)`.
+
+A is M x K, B is N x K (TN, like a torch Linear weight), both fp16 on the GPU, as cupy
+arrays or torch tensors (anything with __cuda_array_interface__ or DLPack). C comes back
+in the input's framework. Shapes in the file run their tuned kernel (compiled from the
+template on first use, cached on disk); other shapes, and entries whose pick is the
+vendor library, fall back to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import UserError
+from tuner.export import read_json
+from tuner.render import render, template_hash
+from tuner.shapes import Shape
+from tuner.space import load_space
+
+DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "space.yaml"
+
+
+class Gemm:
+    def __init__(self, path: str | Path, space_file: str | Path = DEFAULT_SPACE):
+        self.data = read_json(path)
+        self.space = load_space(space_file)
+        self.entries = {(e["shape"], e["arch"]): e for e in self.data["entries"]}
+        self._kernels: dict[tuple[str, str], Any] = {}
+
+    def _arch(self) -> str:
+        import cupy
+
+        from tuner.target import arch_for_cc
+
+        cc = cupy.cuda.Device().compute_capability  # e.g. "90"
+        return arch_for_cc(int(cc[:-1]), int(cc[-1]))
+
+    def kernel_for(self, shape: Shape):
+        """(function, launch) for this shape on this GPU, or None for the cuBLAS fallback."""
+        import cupy
+
+        from tuner.compile import compile_source
+        from tuner.target import target_from_device
+
+        arch = self._arch()
+        key = (str(shape), arch)
+        if key in self._kernels:
+            return self._kernels[key]
+        entry = self.entries.get(key)
+        if entry is None or entry.get("pick") != entry["family"]:
+            self._kernels[key] = None
+            return None
+        fam = self.space.family(entry["family"])
+        if entry.get("template_hash") and template_hash(fam) != entry["template_hash"]:
+            warnings.warn(f"{fam.template} changed since {shape} was tuned: running today's template",
+                          stacklevel=3)
+        config = fam.complete(entry["knobs"])
+        res = compile_source(render(fam, config, arch), arch)
+        if not res.ok:
+            raise UserError(f"exported kernel for {shape} does not compile: {res.error}")
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        target = target_from_device(props, "gpu")
+        launch = fam.launch_geometry(config, shape, target)
+        fn = cupy.RawModule(path=res.cubin).get_function("hgemm")
+        if launch.smem > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = launch.smem
+        swizzle = int(config.get("SWIZZLE_LOG", 0))
+        self._kernels[key] = (fn, launch, swizzle)
+        return self._kernels[key]
+
+    def __call__(self, A, B, out=None):
+        import cupy
+        import numpy as np
+
+        torch_in = type(A).__module__.startswith("torch")
+        a, b = cupy.asarray(A), cupy.asarray(B)
+        if a.dtype != cupy.float16 or b.dtype != cupy.float16 or a.ndim != 2 or b.ndim != 2:
+            raise UserError("gemm(A, B) takes 2-D fp16 arrays: A is M x K, B is N x K")
+        if a.shape[1] != b.shape[1]:
+            raise UserError(f"K mismatch: A is {a.shape}, B is {b.shape} (B must be N x K)")
+        a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
+        shape = Shape(a.shape[0], b.shape[0], a.shape[1])
+        c = out if out is not None else cupy.empty((shape.M, shape.N), dtype=cupy.float16)
+        kern = self.kernel_for(shape)
+        if kern is None:
+            c[...] = cupy.matmul(a, b.T)  # cuBLAS
+        else:
+            fn, launch, swizzle = kern
+            fn((launch.grid,), (launch.block,),
+               (a, b, c, np.int32(shape.M), np.int32(shape.N), np.int32(shape.K), np.int32(swizzle)),
+               shared_mem=launch.smem)
+        if torch_in:
+            import torch
+
+            return torch.from_dlpack(c)
+        return c
+
+
+def load(path: str | Path, space_file: str | Path = DEFAULT_SPACE) -> Gemm:
+    return Gemm(path, space_file)

@@ -103,6 +103,7 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
     """Run the search in this process with a progress bar; returns the study."""
     from tuner.bench import record_baseline, record_measurement
     from tuner.compile import CompilePool
+    from tuner.search import hang_timeout_s
     from tuner.search import tune as run_tune
 
     if be.needs_cubin:
@@ -128,7 +129,7 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
             recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
             return run_tune(space, fams, shp, be, trials=trials, sampler=sampler, storage=storage, name=name,
                             seed=seed, timeout_s=timeout, pool=pool, on_progress=on_progress, recorder=recorder,
-                            eval_timeout_s=max(20.0, baselines["cublas"] * 1e-6 * 200_000))
+                            eval_timeout_s=hang_timeout_s(baselines["cublas"]))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: every finished trial is saved; run the same command to resume.")
         raise typer.Exit(130) from None
@@ -336,7 +337,7 @@ def sweep(
 
     from tuner.compile import CompilePool
     from tuner.export import best_trial, export_studies, write_json
-    from tuner.search import measured_trials, open_study, study_name
+    from tuner.search import hang_timeout_s, measured_trials, open_study, study_name
     from tuner.search import tune as run_tune
     from tuner.space import load_space
 
@@ -388,7 +389,7 @@ def sweep(
                 st = run_tune(space, fams, shp, be, trials=trials_per_shape, sampler=sampler, storage=storage,
                               name=name, seed=seed, timeout_s=limit, pool=pool, on_progress=on_progress,
                               warm_start=_nearest_winners(storage, shp, fams), patience=patience,
-                              eval_timeout_s=max(20.0, baselines["cublas"] * 1e-6 * 200_000))
+                              eval_timeout_s=hang_timeout_s(baselines["cublas"]))
                 if not (deadline and time.perf_counter() >= deadline):
                     # Stopped by its count, patience or its own time box: done at this trial budget.
                     st.set_user_attr("sweep_done_trials", trials_per_shape)

@@ -210,6 +210,12 @@ def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
     return True
 
 
+def hang_timeout_s(cublas_us: float) -> float:
+    """Seconds before an evaluation counts as a hang: verification plus timing of all
+    variants take a few hundred kernel-lengths; allow 200,000 cuBLAS times, at least 20 s."""
+    return max(20.0, cublas_us * 1e-6 * 200_000)
+
+
 NOT_MEASURED = (None, "invalid", "duplicate", "surplus", "interrupted")
 STALE_PROPOSALS = 200  # this many proposals in a row without a new valid config: the space is spent
 

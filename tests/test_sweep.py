@@ -29,6 +29,8 @@ def sweep_args(tmp_path: Path, trials: int) -> list[str]:
 def measured(tmp_path: Path) -> dict[str, list]:
     out = {}
     for st in load_studies(f"sqlite:///{tmp_path}/sweep.db"):
+        if "shape" not in st.user_attrs:  # created by a run killed before it set the attributes
+            continue
         out[st.user_attrs["shape"]] = [(t.number, t.value) for t in st.get_trials()
                                        if t.state.is_finished() and t.user_attrs.get("status") not in NOT_MEASURED]
     return out

@@ -543,6 +543,63 @@ def report(
 
 
 @app.command()
+def propose(
+    family: str = typer.Option(..., "--family", "-f", help="Family whose template the LLM rewrites."),
+    shape: list[str] = typer.Option(..., "--shape", "-s", help="Target shape(s) the child must win on."),
+    rounds: int = typer.Option(1, min=1, help="Rounds; each round's failures are fed back to the next."),
+    candidates: int = typer.Option(1, min=1, help="Proposals asked per round."),
+    base_url: str | None = typer.Option(None, help="OpenAI-compatible endpoint (or OPENAI_BASE_URL)."),
+    model: str | None = typer.Option(None, help="Model name (or OPENAI_MODEL)."),
+    timeout: float = typer.Option(120.0, help="Seconds per LLM request."),
+    backend: str = typer.Option("auto", help="auto: the GPU if present, else compile-only; gpu; none."),
+    trials: int = typer.Option(12, help="Trials of the short tune of parent and child per shape."),
+    arch: str = typer.Option("sm_90a", help="Build target when no GPU is present."),
+    space_file: Path = SpaceOpt,
+    out: Path = typer.Option(Path("runs/proposals"), help="Where prompts, replies and outcomes are kept."),
+) -> None:
+    """Ask an LLM for a template improvement, validate it, and keep it only if it wins."""
+    from proposer.client import ChatClient
+    from proposer.loop import run_rounds
+    from tuner.shapes import parse_shape
+    from tuner.space import load_space
+
+    space = load_space(space_file)
+    space.family(family)
+    shapes = [parse_shape(s) for s in shape]
+    client = ChatClient(base_url, model, timeout_s=timeout)
+    be = None
+    if backend in ("auto", "gpu"):
+        try:
+            be = _make_backend("gpu", None, arch, None, Path("runs") / "worker.log")
+        except UserError as exc:
+            if backend == "gpu":
+                raise
+            console.print(f"[yellow]no GPU[/] ({exc}): proposals are validated up to nvcc only")
+    target_arch = be.target.arch if be else arch
+    try:
+        outcomes = run_rounds(space, family, shapes, client, rounds=rounds, candidates=candidates, out_dir=out,
+                              backend=be, arch=target_arch, trials=trials)
+    finally:
+        if be:
+            be.close()
+    table = Table("proposal", "status", "reason", title=f"proposals for {family}")
+    for o in outcomes:
+        table.add_row(o.id, o.status, o.reason[:100])
+    out_console.print(table)
+
+
+@app.command()
+def proposals(out: Path = typer.Option(Path("runs/proposals"), help="Folder of recorded proposals.")) -> None:
+    """List recorded proposals and their outcomes."""
+    from proposer.loop import list_proposals
+
+    table = Table("proposal", "round", "status", "reason")
+    for o in list_proposals(out):
+        table.add_row(o["id"], str(o["round"]), o["status"], o["reason"][:100])
+    out_console.print(table)
+
+
+@app.command()
 def doctor() -> None:
     """Check the GPU, its arch, nvcc, the CUTLASS headers and cupy."""
     from tuner.compile import cutlass_include, cutlass_version, nvcc_path, nvcc_version

@@ -57,7 +57,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S / 2):
-            for trial_id in self.held():
+            try:
+                held = self.held()
+            except RuntimeError:  # the queue changed while we copied it: beat next time
+                continue
+            for trial_id in held:
                 # A missed beat only risks a retry, never data.
                 with contextlib.suppress(Exception):
                     self.storage.record_heartbeat(trial_id)

@@ -307,9 +307,13 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                        ("simulated", backend.simulated), ("trials_target", trials),
                        ("template_hashes", {f.name: template_hash(f) for f in families})):
         study.set_user_attr(key, value)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # experimental-API and "heartbeat without optimize" notes
-        optuna.storages.fail_stale_trials(study)  # trials of workers that died: failed, re-queued
+    def fail_stale() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # experimental-API and "heartbeat without optimize" notes
+            optuna.storages.fail_stale_trials(study)  # trials of workers that died: failed, re-queued
+
+    fail_stale()
+    last_stale_check = time.perf_counter()
     if fresh:
         by_name = {f.name: f for f in families}
         for fam_name, cfg in warm_start or []:
@@ -343,6 +347,9 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     try:
         with Heartbeat(backing, held):
             while True:
+                if time.perf_counter() - last_stale_check > 30:
+                    fail_stale()  # a worker that died mid-study: its trials go back to the queue
+                    last_stale_check = time.perf_counter()
                 # Keep the compile pool fed: ask ahead while the GPU works on the oldest.
                 while want_more() and len(queue) < lookahead:
                     with warnings.catch_warnings():

@@ -240,13 +240,15 @@ def record_baseline(path: Path, shape: Shape, baselines: dict[str, float]) -> No
 
 def records_from_study(study) -> list[dict]:
     """Replay records (and one baseline per shape) from the real trials of a study."""
+    from tuner.search import NOT_MEASURED  # search imports this module: import here
+
+    skip = (*NOT_MEASURED, "compile_error", "not_recorded")  # nothing was measured on a GPU
     shape = study.user_attrs.get("shape")
     out: list[dict] = []
     cublas = []
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
-        if not t.state.is_finished() or a.get("simulated") or a.get("status") in (
-                None, "invalid", "duplicate", "surplus", "interrupted", "compile_error", "not_recorded"):
+        if not t.state.is_finished() or a.get("simulated") or a.get("status") in skip:
             continue
         m = Measurement(status="ok" if a["status"] == "ok" else a["status"], kind=a.get("kind"),
                         reason=a.get("reason"), times_us=a.get("variant_times_us", {}),

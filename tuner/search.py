@@ -27,9 +27,6 @@ from tuner.shapes import Shape
 from tuner.space import Family, Space
 
 SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid")
-FAILED_VALUE = float("inf")
-
-
 class _AskTellGridSampler(optuna.samplers.GridSampler):
     """GridSampler calls study.stop() once the grid is done, which only works inside
     study.optimize; our ask/tell loop stops on its own trial count instead."""
@@ -187,12 +184,8 @@ class Progress:
     done: int = 0
     invalid: int = 0
     failed: int = 0
-    duplicates: int = 0
     best_us: float | None = None
     best_tflops: float | None = None
-    compile_s: list[float] = field(default_factory=list)
-    exhausted: bool = False  # the sampler stopped proposing new valid configs
-    started: float = field(default_factory=time.perf_counter)
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
@@ -369,7 +362,6 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                             study.tell(trial, prev.value)
                         else:
                             study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                        progress.duplicates += 1
                         continue
                     p = prepare(fam, config, shape, backend, pool)
                     p.trial = trial
@@ -396,8 +388,6 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                 queue.popleft()
                 # Other workers add trials too: the count that stops us is the study's.
                 progress.done = measured_trials(study)
-                if rec.compile_s and not rec.cached:
-                    progress.compile_s.append(rec.compile_s)
                 since_best += 1
                 if rec.status == "ok" and rec.time_us is not None:
                     if progress.best_us is None or rec.time_us < progress.best_us:
@@ -407,7 +397,6 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                     progress.failed += 1
                 if on_progress:
                     on_progress(progress, rec)
-        progress.exhausted = stale >= STALE_PROPOSALS
     except KeyboardInterrupt:
         for p in queue:
             if p.trial is not None:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -99,26 +100,45 @@ def _summary(study, shape) -> Table:
     return table
 
 
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console)
+
+
+@contextlib.contextmanager
+def _measuring(be, jobs: int | None, resume_hint: str):
+    """The compile pool a backend needs (toolchain checked before any trial); closes both,
+    and turns Ctrl-C into a note that finished trials are kept."""
+    from tuner.compile import CompilePool, cutlass_include, nvcc_path
+
+    pool = None
+    try:
+        if be.needs_cubin:
+            nvcc_path(), cutlass_include()  # missing toolchain: one clear error before any trial
+            pool = CompilePool(jobs)
+        yield pool
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted[/]: every finished trial is saved; {resume_hint}")
+        raise typer.Exit(130) from None
+    finally:
+        be.close()
+        if pool:
+            pool.close()
+
+
 def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeout, jobs, record, label="tuning"):
     """Run the search in this process with a progress bar; returns the study."""
     from tuner.bench import record_baseline, record_measurement
-    from tuner.compile import CompilePool
     from tuner.search import hang_timeout_s
     from tuner.search import tune as run_tune
 
-    if be.needs_cubin:
-        from tuner.compile import cutlass_include, nvcc_path
-
-        nvcc_path(), cutlass_include()  # missing toolchain: one clear error before any trial
-    pool = CompilePool(jobs) if be.needs_cubin else None
-    try:
+    with _measuring(be, jobs, "run the same command to resume.") as pool:
         baselines = be.baseline(shp)
         if record:
             record_baseline(record, shp, baselines)
         console.print(f"{shp}: {shp.flops / 1e9:.1f} GFLOP; cuBLAS {baselines['cublas']:.2f} us "
                       f"({shp.tflops(baselines['cublas']):.1f} TFLOP/s) on {be.name}; families {', '.join(fams)}")
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
+        with _progress() as bar:
             task = bar.add_task(label, total=trials, status="")
 
             def on_progress(p, rec) -> None:
@@ -130,13 +150,6 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
             return run_tune(space, fams, shp, be, trials=trials, sampler=sampler, storage=storage, name=name,
                             seed=seed, timeout_s=timeout, pool=pool, on_progress=on_progress, recorder=recorder,
                             eval_timeout_s=hang_timeout_s(baselines["cublas"]))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: every finished trial is saved; run the same command to resume.")
-        raise typer.Exit(130) from None
-    finally:
-        be.close()
-        if pool:
-            pool.close()
 
 
 def _gpu_count() -> int:
@@ -165,8 +178,7 @@ def _spawn_workers(n: int, name: str, storage: str, trials: int, args: list[str]
         log = open(Path("runs") / f"worker-{i}.log", "w")  # noqa: SIM115 - closed with the process
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     study = open_study(name, storage)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
+    with _progress() as bar:
         task = bar.add_task(f"{n} workers", total=trials, status="")
         try:
             while any(p.poll() is None for p, _ in procs):
@@ -335,7 +347,6 @@ def sweep(
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable."""
     import optuna
 
-    from tuner.compile import CompilePool
     from tuner.export import best_trial, export_studies, write_json
     from tuner.search import hang_timeout_s, measured_trials, open_study, study_name
     from tuner.search import tune as run_tune
@@ -351,57 +362,47 @@ def sweep(
     Path("runs").mkdir(exist_ok=True)
     be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
     fams = _families_for(space, families, be.target)
-    pool = CompilePool(jobs) if be.needs_cubin else None
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
     deadline = time.perf_counter() + budget if budget else None
     done_studies, skipped = [], []
-    try:
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as bar:
-            over = bar.add_task("shapes", total=len(todo), status="")
-            inner = bar.add_task("trials", total=trials_per_shape, status="")
-            for shp in todo:
-                if deadline and time.perf_counter() > deadline:
-                    break
-                name = study_name(shp, [space.family(f) for f in fams], be.target.arch)
-                st = open_study(name, storage)
-                if (measured_trials(st) >= trials_per_shape
-                        or st.user_attrs.get("sweep_done_trials", 0) >= trials_per_shape):
-                    done_studies.append(st)  # finished in an earlier run
-                    bar.advance(over)
-                    continue
-                try:
-                    baselines = be.baseline(shp)
-                except UserError as exc:
-                    skipped.append((str(shp), str(exc)))
-                    bar.advance(over)
-                    continue
-                bar.update(over, status=str(shp))
-                bar.reset(inner, total=trials_per_shape)
-                left = deadline - time.perf_counter() if deadline else None
-                limit = min(x for x in (time_per_shape, left) if x) if (time_per_shape or left) else None
-
-                def on_progress(p, rec) -> None:
-                    best = f"best {p.best_us:.2f} us" if p.best_us else "no verified kernel yet"
-                    bar.update(inner, completed=min(p.done, trials_per_shape), status=f"{best} | failed {p.failed}")
-
-                st = run_tune(space, fams, shp, be, trials=trials_per_shape, sampler=sampler, storage=storage,
-                              name=name, seed=seed, timeout_s=limit, pool=pool, on_progress=on_progress,
-                              warm_start=_nearest_winners(storage, shp, fams), patience=patience,
-                              eval_timeout_s=hang_timeout_s(baselines["cublas"]))
-                if not (deadline and time.perf_counter() >= deadline):
-                    # Stopped by its count, patience or its own time box: done at this trial budget.
-                    st.set_user_attr("sweep_done_trials", trials_per_shape)
-                done_studies.append(st)
+    with _measuring(be, jobs, "run the same sweep to continue.") as pool, _progress() as bar:
+        over = bar.add_task("shapes", total=len(todo), status="")
+        inner = bar.add_task("trials", total=trials_per_shape, status="")
+        for shp in todo:
+            if deadline and time.perf_counter() > deadline:
+                break
+            name = study_name(shp, [space.family(f) for f in fams], be.target.arch)
+            st = open_study(name, storage)
+            if (measured_trials(st) >= trials_per_shape
+                    or st.user_attrs.get("sweep_done_trials", 0) >= trials_per_shape):
+                done_studies.append(st)  # finished in an earlier run
                 bar.advance(over)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: finished trials are saved; run the same sweep to continue.")
-        raise typer.Exit(130) from None
-    finally:
-        be.close()
-        if pool:
-            pool.close()
+                continue
+            try:
+                baselines = be.baseline(shp)
+            except UserError as exc:
+                skipped.append((str(shp), str(exc)))
+                bar.advance(over)
+                continue
+            bar.update(over, status=str(shp))
+            bar.reset(inner, total=trials_per_shape)
+            left = deadline - time.perf_counter() if deadline else None
+            limit = min(x for x in (time_per_shape, left) if x) if (time_per_shape or left) else None
+
+            def on_progress(p, rec) -> None:
+                best = f"best {p.best_us:.2f} us" if p.best_us else "no verified kernel yet"
+                bar.update(inner, completed=min(p.done, trials_per_shape), status=f"{best} | failed {p.failed}")
+
+            st = run_tune(space, fams, shp, be, trials=trials_per_shape, sampler=sampler, storage=storage,
+                          name=name, seed=seed, timeout_s=limit, pool=pool, on_progress=on_progress,
+                          warm_start=_nearest_winners(storage, shp, fams), patience=patience,
+                          eval_timeout_s=hang_timeout_s(baselines["cublas"]))
+            if not (deadline and time.perf_counter() >= deadline):
+                # Stopped by its count, patience or its own time box: done at this trial budget.
+                st.set_user_attr("sweep_done_trials", trials_per_shape)
+            done_studies.append(st)
+            bar.advance(over)
     table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "trials",
                   title="sweep" + ("  [SIMULATED]" if be.simulated else ""))
     for st in done_studies:

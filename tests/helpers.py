@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import sqlite3
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -14,3 +17,13 @@ def finished_rows(db: Path) -> int:
             return conn.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL')").fetchone()[0]
     except sqlite3.Error:
         return 0
+
+
+def kill9_after(args: list[str], cwd: Path, db: Path, rows: int, timeout_s: float = 120) -> None:
+    """Start `args`, wait until `db` holds `rows` finished trials, then SIGKILL it."""
+    proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and finished_rows(db) < rows:
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

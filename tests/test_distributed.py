@@ -7,15 +7,13 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import optuna
 import pytest
-from helpers import finished_rows
+from helpers import kill9_after
 
 from tuner.search import NOT_MEASURED
 from tuner.shapes import parse_shape
@@ -109,14 +107,7 @@ def test_kill9_keeps_every_finished_trial(tmp_path):
     storage = f"sqlite:///{tmp_path}/k.db"
     args = [sys.executable, "-m", "tuner.cli", "--shape", SHAPE, "--trials", "60", "--backend", "replay",
             "--replay", str(REPLAY), "--seed", "1", "--storage", storage, "--space", str(ROOT / "space.yaml")]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        time.sleep(0.3)
-        if finished_rows(tmp_path / "k.db") >= 30:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill9_after(args, tmp_path, tmp_path / "k.db", rows=30)
     before = measured(storage)
     assert 8 <= len(before) < 60, "killed mid-study"
     res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)

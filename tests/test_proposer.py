@@ -80,6 +80,14 @@ def server():
     srv.shutdown()
 
 
+def one_run(server: str, tmp_path: Path, mode: str, rounds: int = 1, timeout_s: float = 5, retries: int = 1):
+    """Outcomes of a propose run on wmma whose replies are all `mode`."""
+    Stub.mode = mode
+    client = ChatClient(server, "stub", timeout_s=timeout_s, retries=retries)
+    return run_rounds(load_space(ROOT / "space.yaml"), "wmma", [parse_shape("256x256x256")], client,
+                      rounds=rounds, candidates=1, out_dir=tmp_path)
+
+
 @pytest.mark.parametrize("mode, status, needle", [
     ("good", "not_evaluated", "no GPU"),
     ("nomatch", "bad_edit", "does not match"),
@@ -89,11 +97,7 @@ def server():
     ("garbage", "bad_reply", "no SEARCH/REPLACE"),
 ])
 def test_each_reply_ends_with_its_outcome(server, tmp_path, mode, status, needle):
-    Stub.mode = mode
-    space = load_space(ROOT / "space.yaml")
-    client = ChatClient(server, "stub", timeout_s=5, retries=1)
-    (out,) = run_rounds(space, "wmma", [parse_shape("1024x1024x1024")], client, rounds=1, candidates=1,
-                        out_dir=tmp_path)
+    (out,) = one_run(server, tmp_path, mode)
     assert out.status == status and needle in out.reason, out
     rec = list_proposals(tmp_path)[0]
     assert rec["status"] == status
@@ -105,30 +109,19 @@ def test_each_reply_ends_with_its_outcome(server, tmp_path, mode, status, needle
 
 @pytest.mark.nvcc
 def test_cuda_that_does_not_compile(server, tmp_path):
-    Stub.mode = "nocompile"
-    space = load_space(ROOT / "space.yaml")
-    client = ChatClient(server, "stub", timeout_s=5, retries=1)
-    (out,) = run_rounds(space, "wmma", [parse_shape("256x256x256")], client, rounds=1, candidates=1,
-                        out_dir=tmp_path)
+    (out,) = one_run(server, tmp_path, "nocompile")
     assert out.status == "compile_error" and "error" in out.reason
 
 
 def test_feedback_reaches_the_next_round(server, tmp_path):
-    Stub.mode = "nomatch"
-    space = load_space(ROOT / "space.yaml")
-    client = ChatClient(server, "stub", timeout_s=5, retries=1)
-    outs = run_rounds(space, "wmma", [parse_shape("256x256x256")], client, rounds=2, candidates=1, out_dir=tmp_path)
+    outs = one_run(server, tmp_path, "nomatch", rounds=2)
     assert [o.status for o in outs] == ["bad_edit", "bad_edit"]
     second_prompt = (tmp_path / outs[1].id / "prompt.txt").read_text()
     assert outs[0].id in second_prompt and "does not match" in second_prompt
 
 
 def test_timeout_is_a_clear_error_and_the_run_stops(server, tmp_path):
-    Stub.mode = "timeout"
-    space = load_space(ROOT / "space.yaml")
-    client = ChatClient(server, "stub", timeout_s=0.5, retries=2)
-    (out,) = run_rounds(space, "wmma", [parse_shape("256x256x256")], client, rounds=3, candidates=1,
-                        out_dir=tmp_path)
+    (out,) = one_run(server, tmp_path, "timeout", rounds=3, timeout_s=0.5, retries=2)
     assert out.status == "endpoint_error" and "not reachable after 2 tries" in out.reason
 
 

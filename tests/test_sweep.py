@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import finished_rows
+from helpers import kill9_after
 
 from tuner.export import load_studies
 from tuner.search import NOT_MEASURED
@@ -37,15 +35,7 @@ def measured(tmp_path: Path) -> dict[str, list]:
 
 
 def test_interrupted_sweep_resumes_without_repeating_or_losing(tmp_path):
-    proc = subprocess.Popen(sweep_args(tmp_path, 10), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        time.sleep(0.3)
-        if finished_rows(tmp_path / "sweep.db") >= 40:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill9_after(sweep_args(tmp_path, 10), tmp_path, tmp_path / "sweep.db", rows=40)
     before = measured(tmp_path)
     assert 0 < len(before) < 7, "killed mid-sweep"
     res = subprocess.run(sweep_args(tmp_path, 10), cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -3,9 +3,10 @@
     python benchmarks/bench_families.py [--shapes 4096x4096x8192,...] [--trials 24] [--out DIR]
 
 For each shape and family it tunes (or resumes) a short study, takes the best verified
-config, then verifies again and times all families' bests and cuBLAS interleaved in
-random order (CUDA-graph replays, median). Prints a markdown table with TFLOP/s and
-ratios, and writes it to DIR/bench_families.md.
+config, then verifies again and times all families' bests, cuBLAS, cuBLASLt's heuristic
+pick and cuBLASLt autotuned (fastest of its top 16 on the shape) interleaved in random
+order (CUDA-graph replays, median). Prints a markdown table with TFLOP/s and ratios, and
+writes it to DIR/bench_families.md. --trials 0 skips tuning and re-measures the stored bests.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from tuner.bench import GpuBackend
 from tuner.compile import CompilePool
 from tuner.export import best_per_family, load_studies
 from tuner.render import render
-from tuner.search import tune
+from tuner.search import launch_spec, tune
 from tuner.shapes import parse_shape
 from tuner.space import load_space
 
-SHAPES = "4096x4096x8192,8192x8192x8192,1024x1024x1024,256x4096x4096,64x8192x4096,8192x512x2048,2048x2048x64"
+# Issue 3's shapes: big squares, skinny (M or N <= 256) and odd sizes (tails).
+SHAPES = ("4096x4096x8192,8192x8192x8192,16384x16384x16384,1024x1024x1024,256x4096x4096,64x8192x4096,"
+          "8192x512x2048,128x16384x16384,16384x128x4096,3000x5000x1000")
+VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
 
 
 def best_of_family(storage: str, shape: str, family: str):
@@ -42,7 +46,7 @@ def best_of_family(storage: str, shape: str, family: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES)
-    ap.add_argument("--families", default="cute_sm80,wmma")
+    ap.add_argument("--families", default="cute_sm90,cute_sm80")
     ap.add_argument("--trials", type=int, default=24, help="trials per (shape, family) study")
     ap.add_argument("--storage", default="sqlite:///runs/hgemm.db")
     ap.add_argument("--out", default="runs")
@@ -63,46 +67,55 @@ def main() -> None:
         candidates, configs = {}, {}
         for fam_name in args.families.split(","):
             fam = space.family(fam_name)
-            tune(space, [fam_name], shape, backend, trials=args.trials, storage=args.storage,
-                 seed=args.seed, pool=pool,
-                 # wmma compiles in a second, CuTe in ~20 s: give the slow family the time
-                 timeout_s=args.time_per_family / (3 if fam_name == "wmma" else 1))
+            if args.trials > 0:
+                tune(space, [fam_name], shape, backend, trials=args.trials, storage=args.storage,
+                     seed=args.seed, pool=pool,
+                     # wmma compiles in a second, CuTe in 20-50 s: give the slow families the time
+                     timeout_s=args.time_per_family / (3 if fam_name == "wmma" else 1))
             best = best_of_family(args.storage, str(shape), fam_name)
             if best is None:
                 rows.append((shape, fam_name, None, None, None, "no verified kernel"))
                 continue
             a = best.user_attrs
             full = fam.complete(a["config"] | a["variant"])
-            cres = pool.submit(render(fam, full, target.arch), target.arch).result()
-            launch = fam.launch_geometry(full, shape, target)
+            cres = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact).result()
             candidates[fam_name] = {"cubin": cres.cubin, "variant": a["variant"],
-                                    "launch": {"grid": launch.grid, "block": launch.block, "smem": launch.smem}}
+                                    "launch": launch_spec(fam, full, shape, target)}
             configs[fam_name] = full
         reply = backend.compare(shape, candidates)
         if reply.get("status") != "ok":
             rows.append((shape, "-", None, None, None, f"compare failed: {reply.get('reason')}"))
             continue
         times = reply["times"]
-        cublas = times["cublas"]
+        vendor = {v: times.get(v) for v in VENDORS}
         for fam_name in candidates:
             ok = reply["verify"][fam_name]["ok"]
-            t = times.get(fam_name)
-            rows.append((shape, fam_name, t, cublas, ok,
+            rows.append((shape, fam_name, times.get(fam_name), vendor, ok,
                          json.dumps(configs[fam_name], separators=(",", ":")) if ok
                          else reply["verify"][fam_name]["reason"]))
-        print(f"{shape}: done at {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{shape}: done at {time.perf_counter() - t0:.0f} s {reply.get('notes', {})}", flush=True)
     backend.close()
     pool.close()
     lines = [f"GPU: {target.name} ({target.arch}); fp16 in/out, fp32 accumulate, TN; CUDA-graph timed, "
-             "median of 7 interleaved replays; cuBLAS = cublasGemmEx(COMPUTE_32F) in the same process.", "",
-             "| shape | family | us | TFLOP/s | cuBLAS us | cuBLAS TFLOP/s | ours/cuBLAS | verified | config |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|"]
-    for shape, fam, t, cub, ok, note in rows:
-        if t is None:
-            lines.append(f"| {shape} | {fam} | - | - | - | - | - | {ok} | {note} |")
+             "median of 7 interleaved replays, all contenders in one process and run. cuBLAS = "
+             "cublasGemmEx(COMPUTE_32F); Lt = cublasLtMatmul heuristic #1; Lt-auto = fastest of Lt's top 16.", "",
+             "| shape | family | us | TFLOP/s | cuBLAS us | Lt us | Lt-auto us | vs cuBLAS | vs Lt | vs Lt-auto "
+             "| verified | config |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+
+    def us(t):
+        return f"{t:.2f}" if t else "-"
+
+    def ratio(vendor_t, t):
+        return f"{vendor_t / t:.3f}" if vendor_t and t else "-"
+
+    for shape, fam, t, vendor, ok, note in rows:
+        if t is None or vendor is None:
+            lines.append(f"| {shape} | {fam} | - | - | - | - | - | - | - | - | {ok} | {note} |")
             continue
-        lines.append(f"| {shape} | {fam} | {t:.2f} | {shape.tflops(t):.1f} | {cub:.2f} | {shape.tflops(cub):.1f} | "
-                     f"{cub / t:.3f} | {ok} | `{note}` |")
+        lines.append(f"| {shape} | {fam} | {t:.2f} | {shape.tflops(t):.1f} | {us(vendor['cublas'])} | "
+                     f"{us(vendor['cublaslt'])} | {us(vendor['cublaslt_auto'])} | {ratio(vendor['cublas'], t)} | "
+                     f"{ratio(vendor['cublaslt'], t)} | {ratio(vendor['cublaslt_auto'], t)} | {ok} | `{note}` |")
     text = "\n".join(lines)
     (out / "bench_families.md").write_text(text + "\n")
     print(text)

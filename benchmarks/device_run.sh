@@ -10,7 +10,14 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     smoke) timeout 300 python3 benchmarks/smoke.py --out "$OUT" 2>&1 | tee "$OUT/smoke.log" | tail -45 ;;
-    gpu-tests) timeout 300 python3 -m pytest -q -m gpu tests -x -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    smoke90) timeout 300 python3 benchmarks/smoke.py --out "$OUT" --families cute_sm90 \
+               --shapes 4096x4096x8192,3000x5000x1000,64x8192x4096,17x24x40,8192x8192x8192 2>&1 \
+               | tee "$OUT/smoke90.log" | tail -45 ;;
+    tune90) timeout 240 python3 -m tuner.cli --shape 4096x4096x8192 --trials 30 --seed 0 --families cute_sm90 --timeout 150 \
+              2>&1 | tee "$OUT/tune90.log" | grep -v "tuning" | tail -12 ;;
+    benchq) timeout 120 python3 benchmarks/bench_families.py --out "$OUT" --trials 0 --shapes 4096x4096x8192 \
+              --families cute_sm90 2>&1 | tee "$OUT/benchq.log" | tail -8 ;;
+    gpu-tests) timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests -x -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
     tune) timeout 420 python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
             --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
             | tee "$OUT/tune.log" | grep -v "tuning" | tail -30 ;;
@@ -27,4 +34,6 @@ for step in "$@"; do
   esac
 done
 cp runs/hgemm.db "$OUT/" 2>/dev/null
+# The device tool brings back at most 8 files: pack everything into one archive.
+(cd "$OUT" && tar czf ../device_results.tgz . && rm -rf ./* && mv ../device_results.tgz .)
 echo "=== done $(date +%T)"

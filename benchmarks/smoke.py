@@ -28,6 +28,16 @@ CONFIGS = {
         {"BM": 128, "BN": 128, "BK": 32, "STAGES": 2, "STAGGER": 1, "REG_PREFETCH": 0},
         {"BM": 64, "BN": 64, "BK": 64, "WARP_M": 2, "WARP_N": 2, "STAGES": 5, "REG_PREFETCH": 1},
     ],
+    "cute_sm90": [
+        {},
+        {"CLUSTER_M": 1},
+        {"TILE_N": 128, "STAGES": 6, "SCHEDULE": "pingpong", "CLUSTER_M": 1},
+        {"TILE_M": 64, "TILE_N": 256, "SCHEDULE": "pingpong", "CLUSTER_M": 1, "CLUSTER_N": 2},
+        {"TILE_M": 256, "TILE_N": 128, "CLUSTER_M": 1, "CLUSTER_N": 2},
+        {"TILE_N": 128, "STAGES": 5, "SCHEDULER": "streamk", "CLUSTER_M": 1},
+        {"EPILOGUE": "nosmem"},
+        {"TILE_N": 192, "STAGES": 5, "TILE_K": 64},
+    ],
     "wmma": [
         {},
         {"BM": 128, "BN": 128, "BK": 32, "WARP_M": 2, "WARP_N": 4, "STAGES": 2},
@@ -43,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--families", default="cute_sm80,wmma")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     out = Path(args.out)
     space = load_space("space.yaml")
@@ -52,7 +63,7 @@ def main() -> None:
     rows = []
     pend = []
     t0 = time.perf_counter()
-    for shape_s in SHAPES:
+    for shape_s in args.shapes.split(","):
         shape = parse_shape(shape_s)
         record_baseline(record, shape, backend.baseline(shape))
         for fam_name in args.families.split(","):

@@ -207,6 +207,7 @@ class ReplayBackend:
                 raise UserError(f"{self.path}:{lineno}: not a measurement record ({exc})") from None
         self.target = target_for_arch(arch)
         self.name = f"replay:{self.path.name}"
+        self.families = {family for _, key in self.records for family in [key.split(":", 1)[0]]}
 
     def baseline(self, shape: Shape) -> dict[str, float]:
         if str(shape) not in self.baselines:

@@ -61,13 +61,17 @@ def _make_backend(backend: str, replay: Path | None, arch: str, gpu: int | None,
     raise UserError(f"unknown backend {backend!r}: use gpu or replay")
 
 
-def _families_for(space, names: str | None, target) -> list[str]:
+def _families_for(space, names: str | None, target, backend=None) -> list[str]:
     if names:
         chosen = [n.strip() for n in names.split(",") if n.strip()]
         for n in chosen:
             space.family(n)
         return chosen
-    return [f.name for f in space.families.values() if target.cc >= f.min_arch]
+    fams = [f.name for f in space.families.values() if target.cc >= f.min_arch]
+    recorded = getattr(backend, "families", None)
+    if recorded is not None:  # a replay file can only answer for the families it recorded
+        fams = [f for f in fams if f in recorded]
+    return fams
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -227,7 +231,7 @@ def tune(
     space = load_space(space_file)
     Path("runs").mkdir(exist_ok=True)
     be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
-    fams = _families_for(space, families, be.target)
+    fams = _families_for(space, families, be.target, be)
     name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch)
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
@@ -361,7 +365,7 @@ def sweep(
     todo = sorted(dict.fromkeys(s for n in names for s in space.shapes[n]), key=lambda s: (s.flops, str(s)))
     Path("runs").mkdir(exist_ok=True)
     be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
-    fams = _families_for(space, families, be.target)
+    fams = _families_for(space, families, be.target, be)
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
     deadline = time.perf_counter() + budget if budget else None
@@ -459,7 +463,9 @@ def render(
     if why:
         raise UserError(f"config rejected for {shape} on {arch}: {'; '.join(why)}")
     launch = fam.launch_geometry(config, parse_shape(shape), target)
-    console.print(f"// launch: grid={launch.grid} block={launch.block} smem={launch.smem} "
+    where = (f"grid={launch.grid} block={launch.block} smem={launch.smem}" if launch
+             else "set by the library's host code (artifact: library)")
+    console.print(f"// launch: {where} "
                   f"runtime knobs: {{{', '.join(f'{k.name}={config[k.name]}' for k in fam.runtime_knobs)}}}")
     sys.stdout.write(render_source(fam, config, arch))
 

@@ -1,4 +1,9 @@
-"""nvcc: CUDA source -> device-only cubin, cached, in parallel, with a per-job timeout."""
+"""nvcc: CUDA source -> device-only cubin (or a host+device shared library), cached, in
+parallel, with a per-job timeout.
+
+Most families are device-only cubins (fast to build, loaded by cupy). A family whose
+kernel needs host-side set-up per call (TMA descriptors, tile-scheduler parameters:
+cute_sm90) is built as a shared library instead; space.yaml says which (`artifact`)."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ DEFAULT_TIMEOUT_S = 240.0
 class CompileResult:
     ok: bool
     key: str
-    cubin: str | None          # path of the cached cubin
+    cubin: str | None          # path of the cached binary: a .cubin, or a .so for library families
     seconds: float             # wall time of nvcc (0 for a cache hit)
     cached: bool
     error: str | None = None   # compiler output on failure (kept for the report and the proposer)
@@ -75,16 +80,21 @@ def cutlass_version() -> str:
         return "unknown"
 
 
-def nvcc_flags(arch: str) -> list[str]:
+ARTIFACTS = {"cubin": ".cubin", "library": ".so"}
+
+
+def nvcc_flags(arch: str, artifact: str = "cubin") -> list[str]:
     # -gencode with code=sm_XX only: one device pass, no embedded PTX (see DESIGN.md).
     virtual = "compute_" + arch.removeprefix("sm_")
-    return ["-cubin", "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+    # A library links the CUDA runtime statically: it loads in any process, whatever cudart it has.
+    kind = ["-cubin"] if artifact == "cubin" else ["-shared", "-Xcompiler=-fPIC", "-cudart=static"]
+    return [*kind, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
             f"-gencode=arch={virtual},code={arch}", "-Xptxas=-v", f"-I{cutlass_include()}"]
 
 
-def cache_key(source: str, arch: str) -> str:
+def cache_key(source: str, arch: str, artifact: str = "cubin") -> str:
     h = hashlib.sha256()
-    for part in (source, " ".join(nvcc_flags(arch)), nvcc_version(), cutlass_version()):
+    for part in (source, " ".join(nvcc_flags(arch, artifact)), nvcc_version(), cutlass_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
@@ -97,10 +107,12 @@ def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
 
 
 def compile_source(source: str, arch: str, cache_dir: Path = DEFAULT_CACHE,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> CompileResult:
-    key = cache_key(source, arch)
+                   timeout_s: float = DEFAULT_TIMEOUT_S, artifact: str = "cubin") -> CompileResult:
+    if artifact not in ARTIFACTS:
+        raise UserError(f"unknown artifact {artifact!r}; one of {', '.join(ARTIFACTS)}")
+    key = cache_key(source, arch, artifact)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cubin = cache_dir / f"{key}.cubin"
+    cubin = cache_dir / f"{key}{ARTIFACTS[artifact]}"
     meta = cache_dir / f"{key}.log"
     if cubin.is_file():
         regs, spills = _parse_ptxas(meta.read_text()) if meta.is_file() else (None, None)
@@ -108,10 +120,10 @@ def compile_source(source: str, arch: str, cache_dir: Path = DEFAULT_CACHE,
     with tempfile.TemporaryDirectory(prefix="hgemm-nvcc-") as tmp:
         src = Path(tmp) / "kernel.cu"
         src.write_text(source)
-        out = Path(tmp) / "kernel.cubin"
+        out = Path(tmp) / f"kernel{ARTIFACTS[artifact]}"
         start = time.perf_counter()
         try:
-            proc = subprocess.run([nvcc_path(), *nvcc_flags(arch), "-o", str(out), str(src)],
+            proc = subprocess.run([nvcc_path(), *nvcc_flags(arch, artifact), "-o", str(out), str(src)],
                                   capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             return CompileResult(False, key, None, time.perf_counter() - start, False,
@@ -143,8 +155,8 @@ class CompilePool:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="nvcc")
 
-    def submit(self, source: str, arch: str):
-        return self._pool.submit(compile_source, source, arch, self.cache_dir, self.timeout_s)
+    def submit(self, source: str, arch: str, artifact: str = "cubin"):
+        return self._pool.submit(compile_source, source, arch, self.cache_dir, self.timeout_s, artifact)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -118,10 +118,103 @@ class Cublas:
         self._check(status, "cublasGemmEx")
 
 
+class _LtHeuristic(ctypes.Structure):
+    # cublasLtMatmulHeuristicResult_t: algo (8 x uint64), workspaceSize, state, wavesCount, reserved[4]
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+class CublasLt:
+    """cublasLtMatmul, fp16 in/out, fp32 compute, same TN mapping as Cublas, on our stream.
+
+    `heuristic` runs the library's first choice for the shape; `autotuned` times its top
+    candidates (up to TOP) on this shape and keeps the fastest, as nvmath-python's
+    Matmul.autotune does. Called through ctypes with fixed descriptors and workspace, so
+    it captures into the same CUDA graphs as every other contender.
+    """
+
+    TOP = 16
+
+    def __init__(self, stream, buf: Buffers, workspace_bytes: int = 32 << 20):
+        cp = _cp()
+        path = _libcublas()._name.replace("libcublas.so", "libcublasLt.so")
+        lib = self.lib = ctypes.CDLL(path)
+        p, u64, i64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
+        self.handle, self.desc, self.pref = p(), p(), p()
+        self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), 68, 0), "MatmulDescCreate")  # 32F, R_32F
+        for attr, op in ((3, 1), (4, 0)):  # TRANSA = T (B is N x K row-major), TRANSB = N
+            v = ctypes.c_int32(op)
+            self._check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), 4), "DescSetAttribute")
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(p), ctypes.c_int, u64, u64, i64]
+        M, N, K = buf.M, buf.N, buf.K
+        self.a_desc, self.b_desc, self.c_desc = p(), p(), p()
+        for d, rows, cols, ld in ((self.a_desc, K, N, K), (self.b_desc, K, M, K), (self.c_desc, N, M, N)):
+            self._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(d), 2, rows, cols, ld), "LayoutCreate")  # R_16F
+        self.workspace = cp.empty(workspace_bytes, dtype=cp.uint8)
+        self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)), "PreferenceCreate")
+        ws = ctypes.c_uint64(workspace_bytes)
+        self._check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, 1, ctypes.byref(ws), 8), "PrefSetAttribute")
+        results = (_LtHeuristic * self.TOP)()
+        count = ctypes.c_int(0)
+        self._check(lib.cublasLtMatmulAlgoGetHeuristic(
+            self.handle, self.desc, self.a_desc, self.b_desc, self.c_desc, self.c_desc, self.pref,
+            self.TOP, results, ctypes.byref(count)), "AlgoGetHeuristic")
+        self.algos = [results[i] for i in range(count.value) if results[i].state == 0]
+        if not self.algos:
+            raise RuntimeError("cuBLASLt has no algorithm for this shape")
+        self.alpha = np.array(1.0, dtype=np.float32)
+        self.beta = np.array(0.0, dtype=np.float32)
+        self.stream_ptr = stream.ptr
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"cuBLASLt {what} failed with status {status}")
+
+    def run(self, algo: _LtHeuristic, buf: Buffers, stream) -> None:
+        self._check(self.lib.cublasLtMatmul(
+            self.handle, self.desc, ctypes.c_void_p(self.alpha.ctypes.data),
+            ctypes.c_void_p(buf.B.data.ptr), self.a_desc, ctypes.c_void_p(buf.A.data.ptr), self.b_desc,
+            ctypes.c_void_p(self.beta.ctypes.data), ctypes.c_void_p(buf.C.data.ptr), self.c_desc,
+            ctypes.c_void_p(buf.C.data.ptr), self.c_desc, ctypes.byref(algo.algo),
+            ctypes.c_void_p(self.workspace.data.ptr), ctypes.c_size_t(self.workspace.nbytes),
+            ctypes.c_void_p(stream.ptr)), "Matmul")
+
+    def heuristic(self):
+        return lambda b, s: self.run(self.algos[0], b, s)
+
+    def autotuned(self, buf: Buffers, stream, reps: int = 5):
+        """The fastest of the heuristic's candidates on this shape (events, median of reps)."""
+        cp = _cp()
+        best, best_ms = self.algos[0], float("inf")
+        for algo in self.algos:
+            try:
+                self.run(algo, buf, stream)  # warm-up; an algorithm may refuse at run time
+            except RuntimeError:
+                continue
+            times = []
+            for _ in range(reps):
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(stream)
+                self.run(algo, buf, stream)
+                end.record(stream)
+                end.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, end))
+            ms = float(np.median(times))
+            if ms < best_ms:
+                best, best_ms = algo, ms
+        return lambda b, s: self.run(best, b, s)
+
+
+class LaunchRefused(Exception):
+    """A library kernel's host code refused the arguments (no GPU work was done)."""
+
+
 class Candidate:
     """One cubin's `hgemm` entry, launched with a fixed geometry and a run-time variant."""
 
-    def __init__(self, cubin: str, launch: dict[str, int]):
+    def __init__(self, cubin: str, launch: dict[str, Any]):
         cp = _cp()
         self.module = cp.RawModule(path=cubin)
         self.fn = self.module.get_function("hgemm")
@@ -129,13 +222,61 @@ class Candidate:
         if self.smem > 48 * 1024:
             self.fn.max_dynamic_shared_size_bytes = self.smem
 
-    def launcher(self, swizzle_log: int):
+    def run(self, A, B, C, M: int, N: int, K: int, variant: dict[str, Any], stream) -> None:
+        self.fn((self.grid,), (self.block,),
+                (A, B, C, np.int32(M), np.int32(N), np.int32(K), np.int32(variant.get("SWIZZLE_LOG", 0))),
+                shared_mem=self.smem, stream=stream)
+
+    def launcher(self, variant: dict[str, Any]):
         def launch(buf: Buffers, stream) -> None:
-            self.fn((self.grid,), (self.block,),
-                    (buf.A, buf.B, buf.C, np.int32(buf.M), np.int32(buf.N), np.int32(buf.K),
-                     np.int32(swizzle_log)),
-                    shared_mem=self.smem, stream=stream)
+            self.run(buf.A, buf.B, buf.C, buf.M, buf.N, buf.K, variant, stream)
         return launch
+
+
+class LibraryCandidate(Candidate):
+    """A host+device shared library (cute_sm90): its `hgemm_run` builds the TMA descriptors
+    and scheduler parameters on the host and launches on our stream (graph-capturable)."""
+
+    RASTER = {"heuristic": 0, "along_m": 1, "along_n": 2}
+    # DECOMP -> the library's `splits`: 0 stream-K, 1 data-parallel, n > 1 split-K in n.
+    DECOMP = {"stream_k": 0, "data_parallel": 1, "split_2": 2, "split_3": 3, "split_4": 4}
+
+    def __init__(self, path: str, launch: dict[str, Any]):
+        i, p = ctypes.c_int, ctypes.c_void_p
+        self.lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
+        self.lib.hgemm_run.argtypes = [p, p, p, i, i, i, i, i, i, i, p, p]
+        self.lib.hgemm_run.restype = i
+        self.lib.hgemm_workspace.argtypes = [i] * 7
+        self.lib.hgemm_workspace.restype = ctypes.c_size_t
+        self.sm_count = int(launch["sm_count"])
+        self.workspace = None
+
+    def _args(self, variant: dict[str, Any]) -> tuple[int, int, int]:
+        return (self.RASTER[variant.get("RASTER", "heuristic")], int(variant.get("SWIZZLE", 1)),
+                self.DECOMP[variant.get("DECOMP", "data_parallel")])
+
+    def reserve(self, M: int, N: int, K: int, variants: list[dict[str, Any]]) -> None:
+        """One workspace (stream-K / split-K partials) big enough for every variant."""
+        need = max([int(self.lib.hgemm_workspace(M, N, K, *self._args(v), self.sm_count)) for v in variants] + [0])
+        if need and (self.workspace is None or self.workspace.nbytes < need):
+            self.workspace = _cp().empty(need, dtype=_cp().uint8)
+
+    def run(self, A, B, C, M: int, N: int, K: int, variant: dict[str, Any], stream) -> None:
+        self.reserve(M, N, K, [variant])
+        ws = self.workspace.data.ptr if self.workspace is not None else 0
+        rc = self.lib.hgemm_run(A.data.ptr, B.data.ptr, C.data.ptr, M, N, K, *self._args(variant),
+                                self.sm_count, ctypes.c_void_p(ws), ctypes.c_void_p(stream.ptr))
+        if rc == 3:
+            raise KernelFault(f"launch failed (library code {rc})")
+        if rc:
+            raise LaunchRefused(f"the kernel's host code refused {M}x{N}x{K} {variant} (code {rc})")
+
+
+def load_candidate(path: str, launch: dict[str, Any]) -> Candidate:
+    """A cubin family's kernel or a library family's, by what space.yaml said it builds."""
+    if launch.get("artifact") == "library":
+        return LibraryCandidate(path, launch)
+    return Candidate(path, launch)
 
 
 def _sync_or_fault(stream) -> None:
@@ -243,12 +384,14 @@ class Worker:
         """Verify then time one cubin (all its run-time variants) against cuBLAS."""
         buf = self.buffers_for(req["shape"])
         try:
-            cand = Candidate(req["cubin"], req["launch"])
-        except Exception as exc:  # noqa: BLE001 - a cubin that will not load is a failed trial
-            return {"status": "failed", "kind": "load", "reason": f"cubin does not load: {exc}"}
+            cand = load_candidate(req["cubin"], req["launch"])
+        except Exception as exc:  # noqa: BLE001 - a binary that will not load is a failed trial
+            return {"status": "failed", "kind": "load", "reason": f"binary does not load: {exc}"}
         variants = req["variants"]
-        launchers = {json.dumps(v, sort_keys=True): cand.launcher(int(v.get("SWIZZLE_LOG", 0))) for v in variants}
+        launchers = {json.dumps(v, sort_keys=True): cand.launcher(v) for v in variants}
         try:
+            if isinstance(cand, LibraryCandidate):
+                cand.reserve(buf.M, buf.N, buf.K, variants)  # allocate before any graph capture
             # Verify the first variant fully and every variant on fresh random data:
             # run-time knobs change the tile order, so each must still be right.
             first = next(iter(launchers.values()))
@@ -270,6 +413,8 @@ class Worker:
             times = time_graphs(contenders, buf, self.stream, self.rng)
         except KernelFault as exc:
             return {"status": "fault", "kind": "fault", "reason": f"CUDA error: {exc}", "fatal": True}
+        except LaunchRefused as exc:
+            return {"status": "failed", "kind": "refused", "reason": str(exc)}
         baselines = {"cublas": times.pop("cublas")}
         return {"status": "ok", "verify": report, "times": dict(times), "baselines": baselines,
                 "gpu_state": gpu_state()}
@@ -279,17 +424,29 @@ class Worker:
         """Benchmark: verify several candidates, then time them and cuBLAS interleaved in one run."""
         buf = self.buffers_for(req["shape"])
         contenders, reports = {}, {}
+        keep = []  # the candidates' modules must outlive the timing
         for name, cand_req in req["candidates"].items():
-            cand = Candidate(cand_req["cubin"], cand_req["launch"])
-            launch = cand.launcher(int(cand_req["variant"].get("SWIZZLE_LOG", 0)))
+            cand = load_candidate(cand_req["cubin"], cand_req["launch"])
+            keep.append(cand)
+            if isinstance(cand, LibraryCandidate):
+                cand.reserve(buf.M, buf.N, buf.K, [cand_req["variant"]])
+            launch = cand.launcher(cand_req["variant"])
             report = verify.full_check(launch, lambda b, s: self.cublas(b, s), buf, self.stream)
             reports[name] = report
             if report["ok"]:
                 contenders[name] = launch
         verify.fill_normal(buf)
         contenders["cublas"] = lambda b, s: self.cublas(b, s)
+        notes = {}
+        try:
+            lt = CublasLt(self.stream, buf)
+            contenders["cublaslt"] = lt.heuristic()
+            contenders["cublaslt_auto"] = lt.autotuned(buf, self.stream)
+            notes["cublaslt_algos"] = len(lt.algos)
+        except (OSError, RuntimeError) as exc:  # no cuBLASLt here: the table says so, cuBLAS still counts
+            notes["cublaslt"] = f"not measured: {exc}"
         times = time_graphs(contenders, buf, self.stream, self.rng)
-        return {"status": "ok", "times": times, "verify": reports, "gpu_state": gpu_state()}
+        return {"status": "ok", "times": times, "verify": reports, "gpu_state": gpu_state(), "notes": notes}
 
 
 def main() -> None:

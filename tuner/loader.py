@@ -42,6 +42,8 @@ class Gemm:
         import cupy
 
         from tuner.compile import compile_source
+        from tuner.gpu_worker import load_candidate
+        from tuner.search import launch_spec
         from tuner.target import target_from_device
 
         arch = self._arch()
@@ -57,22 +59,18 @@ class Gemm:
             warnings.warn(f"{fam.template} changed since {shape} was tuned: running today's template",
                           stacklevel=3)
         config = fam.complete(entry["knobs"])
-        res = compile_source(render(fam, config, arch), arch)
+        res = compile_source(render(fam, config, arch), arch, artifact=fam.artifact)
         if not res.ok:
             raise UserError(f"exported kernel for {shape} does not compile: {res.error}")
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         target = target_from_device(props, "gpu")
-        launch = fam.launch_geometry(config, shape, target)
-        fn = cupy.RawModule(path=res.cubin).get_function("hgemm")
-        if launch.smem > 48 * 1024:
-            fn.max_dynamic_shared_size_bytes = launch.smem
-        swizzle = int(config.get("SWIZZLE_LOG", 0))
-        self._kernels[key] = (fn, launch, swizzle)
+        kernel = load_candidate(res.cubin, launch_spec(fam, config, shape, target))
+        variant = {k.name: config[k.name] for k in fam.runtime_knobs}
+        self._kernels[key] = (kernel, variant)
         return self._kernels[key]
 
     def __call__(self, A, B, out=None):
         import cupy
-        import numpy as np
 
         torch_in = type(A).__module__.startswith("torch")
         a, b = cupy.asarray(A), cupy.asarray(B)
@@ -87,10 +85,8 @@ class Gemm:
         if kern is None:
             c[...] = cupy.matmul(a, b.T)  # cuBLAS
         else:
-            fn, launch, swizzle = kern
-            fn((launch.grid,), (launch.block,),
-               (a, b, c, np.int32(shape.M), np.int32(shape.N), np.int32(shape.K), np.int32(swizzle)),
-               shared_mem=launch.smem)
+            kernel, variant = kern
+            kernel.run(a, b, c, shape.M, shape.N, shape.K, variant, cupy.cuda.get_current_stream())
         if torch_in:
             import torch
 

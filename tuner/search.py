@@ -135,6 +135,15 @@ class Pending:
     request: EvalRequest | None = None
 
 
+def launch_spec(fam: Family, config: dict[str, Any], shape: Shape, target) -> dict[str, Any]:
+    """How the GPU worker launches this family's binary: a cubin's 1-D geometry, or, for a
+    library, only the SM count its persistent scheduler sizes the grid by."""
+    launch = fam.launch_geometry(config, shape, target)
+    if launch is None:
+        return {"artifact": "library", "sm_count": target.sm_count}
+    return {"artifact": "cubin", "grid": launch.grid, "block": launch.block, "smem": launch.smem}
+
+
 def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: CompilePool | None) -> Pending:
     """Validate, render and (if the backend runs real code) start compiling one config."""
     full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
@@ -143,18 +152,16 @@ def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: Co
     if why:
         rec.status, rec.kind, rec.reason = "invalid", "invalid", "; ".join(why)
         return Pending(None, fam, rec.config, rec)
-    launch = fam.launch_geometry(full, shape, backend.target)
     # Every run-time variant must satisfy the constraints too.
     variants = [v for v in fam.runtime_variants() if not fam.violations(full | v, shape, backend.target)]
     source = render(fam, full, backend.target.arch)
     rec.source_hash = source_hash(source)
-    req = EvalRequest(fam.name, rec.config, shape, None,
-                      {"grid": launch.grid, "block": launch.block, "smem": launch.smem}, variants)
+    req = EvalRequest(fam.name, rec.config, shape, None, launch_spec(fam, full, shape, backend.target), variants)
     pending = Pending(None, fam, rec.config, rec, request=req)
     if backend.needs_cubin:
         if pool is None:
             raise UserError("a compile pool is needed for a real GPU backend")
-        pending.future = pool.submit(source, backend.target.arch)
+        pending.future = pool.submit(source, backend.target.arch, fam.artifact)
     return pending
 
 

@@ -149,8 +149,9 @@ class Family:
     knobs: dict[str, Knob]
     derived: dict[str, Expr]
     constraints: list[Constraint]
-    launch: dict[str, Expr]
+    launch: dict[str, Expr]          # empty for library families: their host code picks the geometry
     templates_dir: Path = Path("templates")  # beside the space file that declared the family
+    artifact: str = "cubin"          # cubin (device code, 1-D launch from `launch`) | library (host+device .so)
 
     @property
     def compile_knobs(self) -> list[Knob]:
@@ -190,7 +191,10 @@ class Family:
         env = self.env(config, shape, target)
         return [c.why for c in self.constraints if not c.expr.eval(env)]
 
-    def launch_geometry(self, config: dict[str, Any], shape: Shape, target: Target) -> Launch:
+    def launch_geometry(self, config: dict[str, Any], shape: Shape, target: Target) -> Launch | None:
+        """Grid, block and shared memory of a cubin family (None for a library family)."""
+        if not self.launch:
+            return None
         env = self.env(config, shape, target)
         return Launch(*(int(self.launch[k].eval(env)) for k in ("grid", "block", "smem")))
 
@@ -262,11 +266,15 @@ class _Loader:
     def family(self, name: str, raw: Any) -> Family:
         keys = ("families", name)
         raw = self.mapping(raw, keys)
-        allowed = {"template", "description", "min_arch", "knobs", "derived", "constraints", "launch"}
+        allowed = {"template", "description", "min_arch", "knobs", "derived", "constraints", "launch", "artifact"}
         extra = set(raw) - allowed
         if extra:
             raise self.fail(keys + (sorted(extra)[0],), f"unknown key; allowed: {', '.join(sorted(allowed))}")
-        for required in ("template", "knobs", "launch"):
+        artifact = raw.get("artifact", "cubin")
+        if artifact not in ("cubin", "library"):
+            raise self.fail(keys + ("artifact",), f"artifact must be 'cubin' or 'library', got {artifact!r}")
+        # A library family's host code sets its own launch; a cubin family must say how to launch it.
+        for required in ("template", "knobs") + (("launch",) if artifact == "cubin" else ()):
             if required not in raw:
                 raise self.fail(keys, f"missing required key {required!r}")
         knobs: dict[str, Knob] = {}
@@ -301,9 +309,9 @@ class _Loader:
                 raise self.fail(ckeys, "constraint needs an 'expr'")
             constraints.append(Constraint(self.expr(item["expr"], ckeys + ("expr",), known),
                                           str(item.get("why", item["expr"]))))
-        launch_raw = self.mapping(raw["launch"], keys + ("launch",))
+        launch_raw = self.mapping(raw["launch"], keys + ("launch",)) if "launch" in raw else {}
         launch = {}
-        for lkey in ("grid", "block", "smem"):
+        for lkey in ("grid", "block", "smem") if launch_raw or artifact == "cubin" else ():
             if lkey not in launch_raw:
                 raise self.fail(keys + ("launch",), f"missing {lkey!r}")
             launch[lkey] = self.expr(launch_raw[lkey], keys + ("launch", lkey), known)
@@ -313,7 +321,8 @@ class _Loader:
             raise self.fail(keys + ("template",), f"template file {template_path} not found")
         return Family(name=str(name), template=template_path.name, description=str(raw.get("description", "")),
                       min_arch=int(raw.get("min_arch", 70)), knobs=knobs, derived=derived,
-                      constraints=constraints, launch=launch, templates_dir=template_path.parent)
+                      constraints=constraints, launch=launch, templates_dir=template_path.parent,
+                      artifact=artifact)
 
     def shapes(self, raw: Any) -> dict[str, list[Shape]]:
         """Named shape lists: MxNxK strings, {grid: {M: [...], N: [...], K: [...]}},

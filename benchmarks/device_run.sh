@@ -35,5 +35,5 @@ for step in "$@"; do
 done
 cp runs/hgemm.db "$OUT/" 2>/dev/null
 # The device tool brings back at most 8 files: pack everything into one archive.
-(cd "$OUT" && tar czf ../device_results.tgz . && rm -rf ./* && mv ../device_results.tgz .)
+tar czf /tmp/device_results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/device_results.tgz "$OUT/"
 echo "=== done $(date +%T)"

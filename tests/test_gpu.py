@@ -83,7 +83,7 @@ def test_fp16_accumulation_is_caught(backend, tmp_path):
     assert not m.ok and m.kind in ("wrong", "accumulate"), m.reason
 
 
-@pytest.mark.parametrize("family", ["cute_sm80", "wmma"])
+@pytest.mark.parametrize("family", ["cute_sm80", "wmma", "cute_sm90"])
 @pytest.mark.parametrize("shape_s", ["1x8x8", "127x136x72", "333x200x1000", "256x256x4096"])
 def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
     fam = space.family(family)
@@ -124,8 +124,9 @@ def test_study_with_broken_family_survives_every_failure(backend, tmp_path):
     assert kinds["compile_error"][1] == "compile"
 
 
-def test_loader_matches_the_tuned_kernel_on_cupy_and_torch(tmp_path, backend):
-    """The exported kernel, run through `tuner.load`, gives the tuner's (verified) result."""
+@pytest.mark.parametrize("family", ["wmma", "cute_sm90"])
+def test_loader_matches_the_tuned_kernel_on_cupy_and_torch(tmp_path, backend, family):
+    """The exported kernel (a cubin or a library), run through `tuner.load`, gives the tuner's result."""
     import cupy
 
     from tuner import load
@@ -137,7 +138,7 @@ def test_loader_matches_the_tuned_kernel_on_cupy_and_torch(tmp_path, backend):
     space = load_space(Path(__file__).parent.parent / "space.yaml")
     shape = parse_shape("512x384x256")
     pool = CompilePool(4)
-    study = tune(space, ["wmma"], shape, backend, trials=3, storage=f"sqlite:///{tmp_path}/l.db", pool=pool)
+    study = tune(space, [family], shape, backend, trials=3, storage=f"sqlite:///{tmp_path}/l.db", pool=pool)
     pool.close()
     data = export_studies([study])
     data["entries"][0]["pick"] = data["entries"][0]["family"]  # run our kernel even where cuBLAS wins

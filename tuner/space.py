@@ -152,6 +152,7 @@ class Family:
     launch: dict[str, Expr]          # empty for library families: their host code picks the geometry
     templates_dir: Path = Path("templates")  # beside the space file that declared the family
     artifact: str = "cubin"          # cubin (device code, 1-D launch from `launch`) | library (host+device .so)
+    seeds: list[dict[str, Any]] = field(default_factory=list)  # partial configs a fresh study tries first
 
     @property
     def compile_knobs(self) -> list[Knob]:
@@ -266,7 +267,8 @@ class _Loader:
     def family(self, name: str, raw: Any) -> Family:
         keys = ("families", name)
         raw = self.mapping(raw, keys)
-        allowed = {"template", "description", "min_arch", "knobs", "derived", "constraints", "launch", "artifact"}
+        allowed = {"template", "description", "min_arch", "knobs", "derived", "constraints", "launch", "artifact",
+                   "seeds"}
         extra = set(raw) - allowed
         if extra:
             raise self.fail(keys + (sorted(extra)[0],), f"unknown key; allowed: {', '.join(sorted(allowed))}")
@@ -315,6 +317,16 @@ class _Loader:
             if lkey not in launch_raw:
                 raise self.fail(keys + ("launch",), f"missing {lkey!r}")
             launch[lkey] = self.expr(launch_raw[lkey], keys + ("launch", lkey), known)
+        seeds = []
+        for i, seed in enumerate(raw.get("seeds", []) or []):
+            skeys = keys + ("seeds", i)
+            seed = self.mapping(seed, skeys)
+            for kname, value in seed.items():
+                if kname not in knobs or knobs[kname].kind != "compile":
+                    raise self.fail(skeys + (kname,), "seeds set compile-time knobs of this family only")
+                if value not in knobs[kname].values:
+                    raise self.fail(skeys + (kname,), f"{value!r} is not one of {list(knobs[kname].values)}")
+            seeds.append(dict(seed))
         # Relative to the space file's templates/ folder; may point elsewhere ("../x/y.cu.j2").
         template_path = Path(os.path.normpath(self.path.parent / "templates" / str(raw["template"])))
         if not template_path.is_file():
@@ -322,7 +334,7 @@ class _Loader:
         return Family(name=str(name), template=template_path.name, description=str(raw.get("description", "")),
                       min_arch=int(raw.get("min_arch", 70)), knobs=knobs, derived=derived,
                       constraints=constraints, launch=launch, templates_dir=template_path.parent,
-                      artifact=artifact)
+                      artifact=artifact, seeds=seeds)
 
     def shapes(self, raw: Any) -> dict[str, list[Shape]]:
         """Named shape lists: MxNxK strings, {grid: {M: [...], N: [...], K: [...]}},

@@ -1,0 +1,59 @@
+"""The kernels are what they claim, proven without a GPU: compile, then read the SASS.
+
+cute_sm90 must issue wgmma (HGMMA) fed by TMA loads (UTMALDG); the shipped default and
+seed configs must not spill to local memory (no LDL/STL). cute_sm80 must use mma.sync
+(HMMA), cp.async (LDGSTS) and ldmatrix (LDSM)."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tuner.compile import compile_source
+from tuner.render import render
+from tuner.sass import dump_sass, opcode_counts
+from tuner.shapes import parse_shape
+
+pytestmark = pytest.mark.nvcc
+BIG = parse_shape("4096x4096x8192")
+
+
+def _compile_all(fam, configs, cache):
+    with ThreadPoolExecutor(max_workers=2) as pool:  # CI has 2 cores
+        futures = [pool.submit(compile_source, render(fam, c, "sm_90a"), "sm_90a", cache, 600.0, fam.artifact)
+                   for c in configs]
+        return [f.result() for f in futures]
+
+
+def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
+    fam = space.family("cute_sm90")
+    default = fam.complete({})
+    pingpong = fam.complete(fam.seeds[0])
+    assert pingpong["SCHEDULE"] == "pingpong"
+    rng = random.Random(7)  # one sampled valid config besides the shipped ones
+    while True:
+        sampled = fam.complete({k.name: rng.choice(k.values) for k in fam.compile_knobs})
+        if not fam.violations(sampled, BIG, h200) and sampled not in (default, pingpong):
+            break
+    results = _compile_all(fam, [default, pingpong, sampled], tmp_path)
+    for cfg, res in zip([default, pingpong, sampled], results, strict=True):
+        assert res.ok, f"{fam.compile_config(cfg)}: {res.error}"
+        ops = opcode_counts(dump_sass(res.cubin))
+        assert ops["HGMMA"] > 0, f"no wgmma in {fam.compile_config(cfg)}: {dict(ops)}"
+        assert ops["UTMALDG"] > 0, f"no TMA load in {fam.compile_config(cfg)}: {dict(ops)}"
+        assert ops["HMMA"] == 0, "a Hopper kernel fell back to mma.sync"
+    for cfg, res in zip([default, pingpong], results[:2], strict=True):
+        ops = opcode_counts(dump_sass(res.cubin))
+        assert ops["LDL"] == 0 and ops["STL"] == 0, f"local-memory spills in {fam.compile_config(cfg)}: {dict(ops)}"
+        assert res.spill_bytes == 0
+
+
+def test_cute_sm80_uses_mma_sync_cp_async_and_ldmatrix(space, tmp_path):
+    fam = space.family("cute_sm80")
+    (res,) = _compile_all(fam, [fam.complete({})], tmp_path)
+    assert res.ok, res.error
+    ops = opcode_counts(dump_sass(res.cubin))
+    assert ops["HMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDSM"] > 0, dict(ops)
+    assert ops["HGMMA"] == 0 and ops["LDL"] == 0 and ops["STL"] == 0, dict(ops)

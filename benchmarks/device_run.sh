@@ -17,7 +17,7 @@ for step in "$@"; do
               2>&1 | tee "$OUT/tune90.log" | grep -v "tuning" | tail -12 ;;
     benchq) timeout 120 python3 benchmarks/bench_families.py --out "$OUT" --trials 0 --shapes 4096x4096x8192 \
               --families cute_sm90 2>&1 | tee "$OUT/benchq.log" | tail -8 ;;
-    tune200) timeout 570 python3 -m tuner.cli --shape 4096x4096x8192 --trials 200 --seed 0 \
+    tune200) timeout 570 python3 -m tuner.cli --shape 4096x4096x8192 --trials 200 --seed 0 --timeout 420 \
                --record "$OUT/replay_tune200.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
                | tee "$OUT/tune200.log" | grep -v "tuning" | tail -14 ;;
     bench90) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \

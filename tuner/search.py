@@ -10,6 +10,7 @@ Run-time knobs are not sampled: every cubin is timed at all of their values.
 from __future__ import annotations
 
 import json
+import random
 import time
 import warnings
 from collections import deque
@@ -203,6 +204,10 @@ def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
             trial.set_user_attr(key, value)
         if rec.status == "ok" and rec.time_us is not None:
             study.tell(trial, rec.time_us)
+        elif rec.status == "invalid":
+            # PRUNED, not FAIL: TPE ignores failed trials but ranks pruned ones among the
+            # bad, so it learns the shape of the constraints instead of re-proposing them.
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
     except optuna.exceptions.UpdateFinishedTrialError:
@@ -218,6 +223,20 @@ def hang_timeout_s(cublas_us: float) -> float:
 
 NOT_MEASURED = (None, "invalid", "duplicate", "surplus", "interrupted")
 STALE_PROPOSALS = 200  # this many proposals in a row without a new valid config: the space is spent
+EXPLORE_AFTER = 20     # after this many stale proposals in a row, enqueue a random valid unmeasured config
+
+
+def random_valid_config(families: list[Family], shape: Shape, target, taken: set[str], rng,
+                        tries: int = 4000) -> tuple[Family, dict[str, Any]] | None:
+    """A config drawn uniformly from the knob lists that passes the constraints and no trial
+    holds yet; None when `tries` draws find none (the space is all but spent)."""
+    for _ in range(tries):
+        fam = rng.choice(families)
+        config = {k.name: rng.choice(k.values) for k in fam.compile_knobs}
+        full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
+        if config_key(fam.name, config) not in taken and not fam.violations(full, shape, target):
+            return fam, config
+    return None
 
 
 def measured_trials(study: optuna.Study) -> int:
@@ -267,6 +286,28 @@ def _claimed(study: optuna.Study, exclude: int) -> dict[str, optuna.trial.Frozen
         if key is not None and (key not in out or t.state == optuna.trial.TrialState.COMPLETE):
             out[key] = t
     return out
+
+
+class _Claims:
+    """`_claimed`, read from the storage only when a config is not already known to be
+    settled here: reading every trial costs ~0.1 s once a study holds a thousand, and most
+    proposals repeat configs we know. A miss, or a hit still in flight, re-reads, so
+    configs that other workers hold are still seen."""
+
+    def __init__(self, study: optuna.Study):
+        self.study = study
+        self.known: dict[str, optuna.trial.FrozenTrial] = {}
+
+    def get(self, key: str, exclude: int) -> optuna.trial.FrozenTrial | None:
+        hit = self.known.get(key)
+        if hit is None or hit.number == exclude or not hit.state.is_finished():
+            self.known = _claimed(self.study, exclude)
+            hit = self.known.get(key)
+        return hit if hit is not None and hit.number != exclude else None
+
+    def keys(self) -> set[str]:
+        self.known = _claimed(self.study, -1)
+        return set(self.known)
 
 
 def open_study(name: str, storage, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
@@ -336,6 +377,8 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     deadline = time.perf_counter() + timeout_s if timeout_s else None
     max_asks = trials * 30 + 100  # the sampler may keep proposing invalid configs: bound it
     asks = stale = 0
+    rng = random.Random(seed)
+    claims = _Claims(study)
     since_best = 0  # measured trials since the best improved (for patience)
     queue: deque[Pending] = deque()
 
@@ -363,13 +406,22 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                     stale += 1
                     fam, config = suggest(trial, families)
                     key = config_key(fam.name, config)
-                    prev = _claimed(study, exclude=trial.number).get(key)
+                    if stale and stale % EXPLORE_AFTER == 0:
+                        # The sampler keeps circling configs we have: steer it with a fresh valid one.
+                        pick = random_valid_config(families, shape, backend.target, claims.keys(), rng)
+                        if pick is None:
+                            stale = STALE_PROPOSALS  # nothing valid is left to try
+                        else:
+                            study.enqueue_trial(trial_params(*pick))
+                    prev = claims.get(key, exclude=trial.number)
                     if prev is not None:
                         # Measured, rejected or being measured already: never compile or time it twice.
                         trial.set_user_attr("status", "duplicate")
                         trial.set_user_attr("duplicate_of", prev.number)
                         if prev.state == optuna.trial.TrialState.COMPLETE:
                             study.tell(trial, prev.value)
+                        elif prev.state == optuna.trial.TrialState.PRUNED:
+                            study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # a repeat of an invalid one
                         else:
                             study.tell(trial, state=optuna.trial.TrialState.FAIL)
                         continue

@@ -115,3 +115,34 @@ def test_export_schema_rejects_damaged_files(tmp_path, space, replay):
     (tmp_path / "trunc.json").write_text(path.read_text()[:50])
     with pytest.raises(UserError, match="not valid JSON"):
         read_json(tmp_path / "trunc.json")
+
+
+def test_invalid_configs_are_pruned_so_tpe_learns_the_constraints(space, replay, tmp_path):
+    study = tune(space, ["cute_sm80", "wmma"], SHAPE, replay, trials=15, storage=f"sqlite:///{tmp_path}/p.db", seed=0)
+    invalid = [t for t in study.get_trials() if t.user_attrs.get("status") == "invalid"]
+    assert invalid, "the sampler proposed no invalid config: the test shows nothing"
+    assert all(t.state == optuna.trial.TrialState.PRUNED for t in invalid)
+    # Pruned trials never count as measured trials nor as the best.
+    assert all(t.value is None for t in invalid)
+
+
+def test_random_valid_config_is_valid_and_new(space, h200):
+    import random
+
+    from tuner.bench import config_key
+    from tuner.search import random_valid_config
+
+    fam = space.family("cute_sm90")
+    shape = parse_shape("64x8192x4096")
+    taken: set[str] = set()
+    rng = random.Random(0)
+    for _ in range(20):
+        picked = random_valid_config([fam], shape, h200, taken, rng)
+        assert picked is not None
+        f, cfg = picked
+        assert not f.violations(f.complete(cfg), shape, h200)
+        key = config_key(f.name, cfg)
+        assert key not in taken
+        taken.add(key)
+    # A shape no config of the family can run: nothing to offer.
+    assert random_valid_config([fam], parse_shape("64x8190x4096"), h200, set(), rng, tries=200) is None

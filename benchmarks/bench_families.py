@@ -43,6 +43,31 @@ def best_of_family(storage: str, shape: str, family: str):
     return best
 
 
+def table(rows: list, target) -> str:
+    """The markdown table of every (shape, family) row so far."""
+    lines = [f"GPU: {target.name} ({target.arch}); fp16 in/out, fp32 accumulate, TN; CUDA-graph timed, "
+             "median of 7 interleaved replays, all contenders in one process and run. cuBLAS = "
+             "cublasGemmEx(COMPUTE_32F); Lt = cublasLtMatmul heuristic #1; Lt-auto = fastest of Lt's top 16.", "",
+             "| shape | family | us | TFLOP/s | cuBLAS us | Lt us | Lt-auto us | vs cuBLAS | vs Lt | vs Lt-auto "
+             "| verified | config |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+
+    def us(t):
+        return f"{t:.2f}" if t else "-"
+
+    def ratio(vendor_t, t):
+        return f"{vendor_t / t:.3f}" if vendor_t and t else "-"
+
+    for shape, fam, t, vendor, ok, note in rows:
+        if t is None or vendor is None:
+            lines.append(f"| {shape} | {fam} | - | - | - | - | - | - | - | - | {ok} | {note} |")
+            continue
+        lines.append(f"| {shape} | {fam} | {t:.2f} | {shape.tflops(t):.1f} | {us(vendor['cublas'])} | "
+                     f"{us(vendor['cublaslt'])} | {us(vendor['cublaslt_auto'])} | {ratio(vendor['cublas'], t)} | "
+                     f"{ratio(vendor['cublaslt'], t)} | {ratio(vendor['cublaslt_auto'], t)} | {ok} | `{note}` |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES)
@@ -94,29 +119,10 @@ def main() -> None:
                          json.dumps(configs[fam_name], separators=(",", ":")) if ok
                          else reply["verify"][fam_name]["reason"]))
         print(f"{shape}: done at {time.perf_counter() - t0:.0f} s {reply.get('notes', {})}", flush=True)
+        (out / "bench_families.md").write_text(table(rows, target) + "\n")  # a cut-off run keeps its rows
     backend.close()
     pool.close()
-    lines = [f"GPU: {target.name} ({target.arch}); fp16 in/out, fp32 accumulate, TN; CUDA-graph timed, "
-             "median of 7 interleaved replays, all contenders in one process and run. cuBLAS = "
-             "cublasGemmEx(COMPUTE_32F); Lt = cublasLtMatmul heuristic #1; Lt-auto = fastest of Lt's top 16.", "",
-             "| shape | family | us | TFLOP/s | cuBLAS us | Lt us | Lt-auto us | vs cuBLAS | vs Lt | vs Lt-auto "
-             "| verified | config |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-
-    def us(t):
-        return f"{t:.2f}" if t else "-"
-
-    def ratio(vendor_t, t):
-        return f"{vendor_t / t:.3f}" if vendor_t and t else "-"
-
-    for shape, fam, t, vendor, ok, note in rows:
-        if t is None or vendor is None:
-            lines.append(f"| {shape} | {fam} | - | - | - | - | - | - | - | - | {ok} | {note} |")
-            continue
-        lines.append(f"| {shape} | {fam} | {t:.2f} | {shape.tflops(t):.1f} | {us(vendor['cublas'])} | "
-                     f"{us(vendor['cublaslt'])} | {us(vendor['cublaslt_auto'])} | {ratio(vendor['cublas'], t)} | "
-                     f"{ratio(vendor['cublaslt'], t)} | {ratio(vendor['cublaslt_auto'], t)} | {ok} | `{note}` |")
-    text = "\n".join(lines)
+    text = table(rows, target)
     (out / "bench_families.md").write_text(text + "\n")
     print(text)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -23,7 +23,7 @@ for step in "$@"; do
     bench90) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --time-per-family "${BENCH_TUNE_S:-40}" --trials 200 ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 \
                | tee "$OUT/bench90.log" | tail -16 ;;
-    bench10) timeout 560 python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 --trials 10 \
+    bench10) timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 --trials 10 \
                --time-per-family 600 2>&1 | tee "$OUT/bench10.log" | tail -16 ;;
     gpu-tests) timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests -x -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
     tune) timeout 420 python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
@@ -31,7 +31,7 @@ for step in "$@"; do
             | tee "$OUT/tune.log" | grep -v "tuning" | tail -30 ;;
     bench) timeout 540 python3 benchmarks/bench_families.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
     doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
-    broken) timeout 300 python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
+    broken) timeout "${BROKEN_TIMEOUT:-300}" python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
               --space tests/data/space_broken.yaml --seed 0 --storage sqlite:///runs/broken.db 2>&1 \
               | tee "$OUT/broken.log" | grep -v "tuning" | tail -12
             python3 benchmarks/failure_table.py sqlite:///runs/broken.db | tee -a "$OUT/broken.log" ;;

@@ -17,14 +17,14 @@ for step in "$@"; do
               2>&1 | tee "$OUT/tune90.log" | grep -v "tuning" | tail -12 ;;
     benchq) timeout 120 python3 benchmarks/bench_families.py --out "$OUT" --trials 0 --shapes 4096x4096x8192 \
               --families cute_sm90 2>&1 | tee "$OUT/benchq.log" | tail -8 ;;
-    tune200) timeout 570 python3 -m tuner.cli --shape 4096x4096x8192 --trials 200 --seed 0 --timeout 330 \
+    tune200) timeout 570 python3 -m tuner.cli --shape 4096x4096x8192 --trials 200 --seed 0 --timeout "${TUNE_TIMEOUT:-330}" \
                --record "$OUT/replay_tune200.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
                | tee "$OUT/tune200.log" | grep -v "tuning" | tail -14 ;;
     bench90) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --time-per-family "${BENCH_TUNE_S:-40}" --trials 200 ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 \
                | tee "$OUT/bench90.log" | tail -16 ;;
-    bench10) timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 --trials 10 \
-               --time-per-family 600 2>&1 | tee "$OUT/bench10.log" | tail -16 ;;
+    bench10) timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
+               --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 | tee "$OUT/bench10.log" | tail -16 ;;
     gpu-tests) timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests -x -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
     tune) timeout 420 python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
             --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \

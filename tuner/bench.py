@@ -167,10 +167,18 @@ class GpuBackend:
             baselines_us=reply.get("baselines", {}), verify=reply.get("verify", {}), gpu=self.name,
             seconds=time.perf_counter() - start, gpu_state=reply.get("gpu_state", {}))
 
-    def compare(self, shape: Shape, candidates: dict[str, dict], timeout_s: float = 300.0) -> dict:
-        """Verify each candidate ({name: {cubin, launch, variant}}), then time all and cuBLAS together."""
-        return self._call_restarting({"op": "compare", "shape": [shape.M, shape.N, shape.K],
-                                      "candidates": candidates}, timeout_s)
+    def compare(self, shape: Shape, candidates: dict[str, dict], timeout_s: float = 300.0,
+                modes: list[str] | None = None, torch: bool = True) -> dict:
+        """Verify each candidate ({name: {cubin, launch, variant}}), then time all of them and the
+        vendor baselines together. `modes` (default ["offline"]): offline and/or server; the reply
+        has `times` (offline, else the first mode) and `times_by_mode`; `notes` names every
+        baseline that could not be measured. `torch=False` leaves torch.matmul out."""
+        req: dict[str, Any] = {"op": "compare", "shape": [shape.M, shape.N, shape.K], "candidates": candidates}
+        if modes:
+            req["modes"] = list(modes)
+        if not torch:
+            req["torch"] = False
+        return self._call_restarting(req, timeout_s)
 
     def close(self) -> None:
         if self.proc and self.proc.stdin:

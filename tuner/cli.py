@@ -549,6 +549,112 @@ def report(
         console.print(f"wrote {f}")
 
 
+_BENCH_HELP = (
+    "Re-verify and time every exported kernel against cuBLAS, cuBLASLt and torch.matmul.\n\n"
+    "For each shape of the export that was tuned on this GPU: rebuild the kernel from its template and "
+    "knobs, verify it again (exact 0/1 inputs, random inputs against cuBLAS's own error, fp32 accumulation, "
+    "NaN-poisoned output, guard bands), then time it with cuBLAS (cublasGemmEx), cuBLASLt (heuristic pick, "
+    "and autotuned over its top 16) and torch.matmul (when torch is installed), interleaved in random order "
+    "in one worker process, in each --mode.\n\n"
+    "Writes, per shape and mode: our us, TFLOP/s, % of roofline, every baseline's us, the speedup over each "
+    "(baseline us / ours us) and whether it verified; then the geomean speedup per baseline and mode "
+    "(bench.csv, bench_geomean.csv, bench.md, bench.json under --out). A kernel that fails verification is "
+    "a row saying why, never a win; a baseline that cannot be measured is named in the notes; entries tuned "
+    "on another GPU are skipped and listed.\n\n"
+    "Example: [bold]hgemm-tune bench runs/sweep.json --mode both --out runs/bench[/]\n\n"
+    "Exit code 0 when every kernel verified and was timed, 1 when some did not, 2 for bad input (missing "
+    "or invalid JSON, no entry for this GPU, no GPU, no nvcc)."
+)
+
+
+@app.command(help=_BENCH_HELP)
+def bench(
+    export_file: Path = typer.Argument(..., metavar="EXPORT_JSON",
+                                       help="Export to re-measure: the JSON of `hgemm-tune export`, `sweep -o` "
+                                            "or `tune -o` (validated against tuner/export_schema.json)."),
+    mode: str = typer.Option("both", "--mode", "-m",
+                             help="offline: CUDA graph of back-to-back launches (throughput, host overhead "
+                                  "excluded); server: single launches, each after an L2 flush and a random "
+                                  "20-500 us idle gap (cold, from idle); both."),
+    out: Path = typer.Option(Path("runs/bench"), "--out", help="Folder for bench.csv, bench_geomean.csv, "
+                                                                "bench.md and bench.json."),
+    space_file: Path = SpaceOpt,
+    gpu: int | None = typer.Option(None, help="GPU index (sets CUDA_VISIBLE_DEVICES for the worker)."),
+    jobs: int | None = typer.Option(None, help="Parallel nvcc jobs (default: one per core)."),
+    torch: bool = typer.Option(True, "--torch/--no-torch", help="Also time torch.matmul (when torch is installed)."),
+) -> None:
+    """Re-verify and time every exported kernel against cuBLAS, cuBLASLt and torch.matmul."""
+    from rich.markup import escape
+
+    from tuner import benchmark as bm
+    from tuner.compile import CompilePool, cutlass_include, nvcc_path
+    from tuner.export import read_json
+    from tuner.space import load_space
+
+    modes = bm.parse_modes(mode)
+    data = read_json(export_file)
+    if not data["entries"]:
+        raise UserError(f"{export_file}: the export has no entries (no study had a verified kernel)")
+    space = load_space(space_file)
+    out.mkdir(parents=True, exist_ok=True)
+    be = _make_backend("gpu", None, "sm_90a", gpu, out / "worker.log")
+    pool = None
+    try:
+        chosen, skipped = bm.select_entries(data, be.target)
+        if not chosen:
+            gpus = sorted({e["gpu"] for e in data["entries"]})
+            raise UserError(f"{export_file}: no entry for this GPU ({be.target.name}, {be.target.arch}); "
+                            f"the export holds {', '.join(gpus)}")
+        nvcc_path(), cutlass_include()  # missing toolchain: one clear error before any build
+        pool = CompilePool(jobs)
+        shapes = len({e["shape"] for e in chosen})
+        console.print(f"{len(chosen)} kernel(s) over {shapes} shape(s) on {be.name}, modes {', '.join(modes)}"
+                      + (f"; {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} skipped" if skipped else ""))
+        with _progress() as bar:
+            task = bar.add_task("bench", total=shapes, status="")
+
+            def on_shape(i: int, n: int, shape: str, rows: list[dict]) -> None:
+                ok = [r for r in rows if r["status"] == "ok" and r["speedup_cublas"]]
+                status = (", ".join(f"{r['mode']} {r['speedup_cublas']:.3f}x vs cuBLAS" for r in ok)
+                          if ok else "not verified/timed")
+                bar.update(task, completed=i + 1, status=f"{shape}: {status}")
+
+            builder = bm.Builder(space, be.target, pool)
+            result = bm.run_benchmark(data, be, builder, modes, torch=torch, on_shape=on_shape)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: nothing written")
+        raise typer.Exit(130) from None
+    finally:
+        be.close()
+        if pool:
+            pool.close()
+    files = bm.write_outputs(result, out, str(export_file))
+    table = Table(title=f"bench on {result['gpu']} ({result['arch']}): vs X = X us / ours us")
+    for col in ("shape", "mode", "family", "ours us", "TFLOP/s", "cuBLAS us",
+                *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), "verified"):
+        table.add_column(col, justify="left" if col in ("shape", "mode", "family", "verified") else "right")
+    for r in result["rows"]:
+        verified = "yes" if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r['reason']))}"
+        table.add_row(r["shape"], r["mode"], r["family"], _fmt(r["ours_us"], ".2f"), _fmt(r["ours_tflops"], ".1f"),
+                      _fmt(r["cublas_us"], ".2f"), *(_fmt(r[f"speedup_{b}"], ".3f") for b in bm.BASELINES), verified)
+    out_console.print(table)
+    geo = Table("baseline", *modes, title="geomean speedup (baseline us / ours us)")
+    by = {(g["mode"], g["baseline"]): g for g in result["geomeans"]}
+    for b in bm.BASELINES:
+        geo.add_row(bm.LABELS[b], *(bm.geomean_text(by[(m, b)]) for m in modes))
+    out_console.print(geo)
+    for s in result["skipped"]:
+        console.print(f"[yellow]skipped[/] {s['shape']} {s['family']}: {escape(s['reason'])}")
+    unmeasured = sorted({f"{bm.LABELS[b]} ({v})" for n in result["notes"].values() for b, v in n.items()
+                         if b in bm.BASELINES})
+    for u in unmeasured:
+        console.print(f"[yellow]baseline not measured[/]: {escape(u)}")
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    if any(r["status"] != "ok" for r in result["rows"]):
+        console.print("[red]some kernels did not verify or were not timed[/] (see the verified column)")
+        raise typer.Exit(1)
+
+
 @app.command()
 def propose(
     family: str = typer.Option(..., "--family", "-f", help="Family whose template the LLM rewrites."),

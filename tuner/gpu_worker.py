@@ -9,7 +9,10 @@ parent's timeout. Nothing here decides what to try next: it measures what it is 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import gc
 import json
 import os
 import random
@@ -26,6 +29,11 @@ GUARD = 4096          # elements of guard band on each side of every buffer
 POISON = 0x7E5A       # a NaN bit pattern: unwritten outputs stay NaN, guards are compared bitwise
 REPLAYS = 7           # timed graph replays per contender (median taken)
 GRAPH_TARGET_MS = 3.0  # each graph replay runs about this long
+SERVER_LAUNCHES = 100  # server mode: single launches per contender (median taken) ...
+SERVER_MIN_LAUNCHES = 15  # ... at least this many, however slow the kernel ...
+SERVER_BUDGET_MS = 2000.0  # ... and no more than this much kernel time per contender
+SERVER_GAP_US = (20.0, 500.0)  # server mode: idle gap before each launch, uniform in this range
+BASELINES = ("cublas", "cublaslt", "cublaslt_auto", "torch")  # vendor contenders of the `compare` op
 
 
 class KernelFault(Exception):
@@ -66,8 +74,12 @@ class Buffers:
         self.c_flat.view(_cp().uint16).fill(POISON)
 
 
+@functools.cache
 def _libcublas() -> ctypes.CDLL:
-    """The libcublas cupy already loaded (same library and version cupy itself uses)."""
+    """The libcublas cupy already loaded (same library and version cupy itself uses).
+
+    Resolved once, at the first call (the Worker's cuBLAS handle, before torch is ever
+    imported): torch brings its own libcublas, and /proc/self/maps is in address order."""
     _cp().cuda.device.get_cublas_handle()  # makes cupy load libcublas
     with open("/proc/self/maps") as fh:
         for line in fh:
@@ -287,27 +299,66 @@ def _sync_or_fault(stream) -> None:
         raise KernelFault(str(exc)) from None
 
 
-def time_graphs(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Random) -> dict[str, float]:
+def _abandon_capture(stream) -> None:
+    """End a capture that a launch broke, so the stream is usable again (the error itself
+    has already been raised to the caller; an invalidated capture ends with one more)."""
+    with contextlib.suppress(Exception):
+        if getattr(stream, "is_capturing", lambda: True)():
+            stream.end_capture()
+
+
+def capture_launches(launch, buf: Buffers, stream, n: int):
+    """`n` back-to-back launches of one contender as a replayable graph (`.launch(stream)`).
+
+    A contender that cannot be captured into a cupy graph carries its own `capture`
+    attribute (a torch CUDA graph, or eager replays); everything else is one cupy graph."""
+    custom = getattr(launch, "capture", None)
+    if custom is not None:
+        return custom(buf, stream, n)
+    stream.begin_capture()
+    try:
+        for _ in range(n):
+            launch(buf, stream)
+    except BaseException:
+        _abandon_capture(stream)
+        raise
+    return stream.end_capture()
+
+
+def _dropped(name: str, mode: str, exc: Exception, stream, notes: dict[str, str] | None) -> None:
+    """A contender whose set-up failed in one timing mode: with `notes`, drop it and say why
+    (after surfacing any CUDA error as a fault); without, raise as before."""
+    if notes is None or isinstance(exc, KernelFault):
+        raise exc
+    _sync_or_fault(stream)
+    notes[name] = f"not measured ({mode}): {type(exc).__name__}: {exc}"
+
+
+def time_graphs(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Random,
+                notes: dict[str, str] | None = None) -> dict[str, float]:
     """Offline mode: per contender a CUDA graph of back-to-back launches; replays of all
-    contenders interleaved in random order; median replay time / launches, in us."""
+    contenders interleaved in random order; median replay time / launches, in us.
+
+    With `notes`, a contender that cannot be set up is left out and `notes[name]` says why."""
     cp = _cp()
     graphs = {}
     for name, launch in contenders.items():
-        # Estimate one launch to size the graph (warms the kernel up as well).
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        launch(buf, stream)
-        start.record(stream)
-        for _ in range(3):
+        try:
+            # Estimate one launch to size the graph (warms the kernel up as well).
+            start, end = cp.cuda.Event(), cp.cuda.Event()
             launch(buf, stream)
-        end.record(stream)
-        _sync_or_fault(end)
-        est_ms = max(cp.cuda.get_elapsed_time(start, end) / 3, 1e-3)
-        n = int(min(max(GRAPH_TARGET_MS / est_ms, 2), 2000))
-        stream.begin_capture()
-        for _ in range(n):
-            launch(buf, stream)
-        graph = stream.end_capture()
-        graph.launch(stream)  # warm-up replay
+            start.record(stream)
+            for _ in range(3):
+                launch(buf, stream)
+            end.record(stream)
+            _sync_or_fault(end)
+            est_ms = max(cp.cuda.get_elapsed_time(start, end) / 3, 1e-3)
+            n = int(min(max(GRAPH_TARGET_MS / est_ms, 2), 2000))
+            graph = capture_launches(launch, buf, stream, n)
+            graph.launch(stream)  # warm-up replay
+        except Exception as exc:  # noqa: BLE001 - see _dropped: noted or re-raised
+            _dropped(name, "offline", exc, stream, notes)
+            continue
         graphs[name] = (graph, n)
     _sync_or_fault(stream)
     samples: dict[str, list[float]] = {name: [] for name in graphs}
@@ -327,6 +378,129 @@ def time_graphs(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Ra
     for name, n, start, end in pending:
         samples[name].append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / n)
     return {name: float(np.median(v)) for name, v in samples.items()}
+
+
+class L2Flush:
+    """A buffer of at least twice the L2 size, allocated once; overwriting all of it before a
+    launch evicts A, B and C from L2, so the launch reads its inputs from DRAM."""
+
+    def __init__(self, l2_bytes: int | None = None):
+        cp = _cp()
+        if l2_bytes is None:
+            l2_bytes = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"])
+        mib = 1 << 20
+        self.nbytes = -(-max(2 * int(l2_bytes), 8 * mib) // mib) * mib  # >= 2x L2, in whole MiB
+        self.buf = cp.empty(self.nbytes, dtype=cp.uint8)
+        self.value = 0
+
+    def __call__(self, stream) -> None:
+        self.value = (self.value + 1) & 0xFF  # a new byte every time: every line is really rewritten
+        _cp().cuda.runtime.memsetAsync(self.buf.data.ptr, self.value, self.nbytes, stream.ptr)
+
+
+def _idle(seconds: float) -> None:
+    """Leave the GPU idle this long. A host spin, not time.sleep: sleep overshoots short gaps
+    by tens of microseconds (timer slack)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def time_server(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Random,
+                launches: int = SERVER_LAUNCHES, flush=None, gap_us: tuple[float, float] = SERVER_GAP_US,
+                budget_ms: float = SERVER_BUDGET_MS, notes: dict[str, str] | None = None) -> dict[str, float]:
+    """Server mode: many single launches, each cold and from an idle GPU; median in us.
+
+    Before every launch: overwrite the L2 flush buffer (`flush(stream)`: >= 2x the L2 size),
+    synchronize, then leave the GPU idle for a random gap (uniform in `gap_us`), then time one
+    launch with CUDA events. Contenders are interleaved in a new random order every round.
+    Each launch is a one-launch CUDA graph, so the host-side cost of issuing it is one
+    cudaGraphLaunch for every contender alike (cuBLAS's and torch's host overhead and
+    Python's call overhead are not timed, as in offline mode). `launches` rounds at most,
+    fewer when the slowest contender would exceed `budget_ms` of kernel time (never fewer
+    than SERVER_MIN_LAUNCHES)."""
+    cp = _cp()
+    flush = flush if flush is not None else L2Flush()
+    singles, est = {}, {}
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    for name, launch in contenders.items():
+        try:
+            launch(buf, stream)  # warm-up: module load, library heuristics, workspaces
+            graph = capture_launches(launch, buf, stream, 1)
+            graph.launch(stream)  # the first replay uploads the graph
+            flush(stream)
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            _sync_or_fault(end)
+            est[name] = max(cp.cuda.get_elapsed_time(start, end), 1e-3)
+        except Exception as exc:  # noqa: BLE001 - see _dropped: noted or re-raised
+            _dropped(name, "server", exc, stream, notes)
+            continue
+        singles[name] = graph
+    _sync_or_fault(stream)
+    if not singles:
+        return {}
+    rounds = min(launches, max(SERVER_MIN_LAUNCHES, int(budget_ms / max(est.values()))))
+    samples: dict[str, list[float]] = {name: [] for name in singles}
+    order = list(singles)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            flush(stream)
+            _sync_or_fault(stream)
+            _idle(rng.uniform(*gap_us) * 1e-6)
+            start.record(stream)
+            singles[name].launch(stream)
+            end.record(stream)
+            _sync_or_fault(end)
+            samples[name].append(cp.cuda.get_elapsed_time(start, end) * 1000.0)
+    return {name: float(np.median(v)) for name, v in samples.items() if v}
+
+
+def outputs_match(ref, got, xp=np) -> tuple[bool, dict[str, Any]]:
+    """Does `got` equal `ref` (both M x N fp16 results of the same inputs) within fp16
+    tolerance? |got - ref| <= 2^-8 |ref| + 2^-8 rms(ref) elementwise: two fp32-accumulating
+    GEMMs differ by an ulp or two of rounding (a split-K with fp16 partials by a few), a
+    different computation (a transposed operand or output, unwritten NaN) by O(rms)."""
+    r = ref.astype(xp.float32)
+    g = got.astype(xp.float32)
+    n_nan = int(xp.isnan(g).sum())
+    diff = xp.abs(g - r)
+    rms = float(xp.sqrt(xp.mean(r * r))) if r.size else 0.0
+    tol = 2.0 ** -8 * xp.abs(r) + 2.0 ** -8 * rms
+    bad = int((~(diff <= tol)).sum())  # NaN counts as bad
+    stats = {"bitwise_equal": float((g == r).astype(xp.float32).mean()) if r.size else 1.0,
+             "max_abs_diff": float(xp.nanmax(diff)) if r.size and n_nan < r.size else float("nan"),
+             "rms": rms, "outside_tolerance": bad, "nan": n_nan}
+    return bad == 0, stats
+
+
+class _TorchGraph:
+    """n back-to-back torch calls captured by torch itself (its allocator and capture mode),
+    replayed on our stream: the fallback when torch does not capture into a cupy graph."""
+
+    def __init__(self, torch, ext, launch, buf: Buffers, stream, n: int):
+        self.torch, self.ext = torch, ext
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=ext):
+            for _ in range(n):
+                launch(buf, stream)
+
+    def launch(self, stream) -> None:
+        with self.torch.cuda.stream(self.ext):
+            self.graph.replay()
+
+
+class _EagerReplay:
+    """n back-to-back eager calls: the last resort when no graph captures the contender."""
+
+    def __init__(self, launch, buf: Buffers, n: int):
+        self.call, self.buf, self.n = launch, buf, n
+
+    def launch(self, stream) -> None:
+        for _ in range(self.n):
+            self.call(self.buf, stream)
 
 
 def gpu_state() -> dict[str, Any]:
@@ -354,11 +528,13 @@ class Worker:
         self.buffers: Buffers | None = None
         self.cublas = Cublas(self.stream, "fp32")
         self.rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+        self._l2_flush: L2Flush | None = None
 
     def buffers_for(self, shape: list[int]) -> Buffers:
         M, N, K = shape
         if self.buffers is None or (self.buffers.M, self.buffers.N, self.buffers.K) != (M, N, K):
             self.buffers = None
+            gc.collect()  # the last shape's contenders (torch's tensors, graphs) may hold its buffers in cycles
             self.cp.get_default_memory_pool().free_all_blocks()
             self.buffers = Buffers(M, N, K)
         return self.buffers
@@ -420,33 +596,174 @@ class Worker:
                 "gpu_state": gpu_state()}
 
 
+    def l2_flush(self) -> L2Flush:
+        """The server mode's flush buffer: allocated once per worker, outside any shape's pool churn."""
+        if self._l2_flush is None:
+            self._l2_flush = L2Flush()
+        return self._l2_flush
+
+    def _torch_matmul(self, buf: Buffers, notes: dict[str, str]):
+        """torch.matmul as a contender: zero-copy tensors over our A, B, C, on our stream.
+
+        Returns a launch(buf, stream) computing exactly cuBLAS's C (checked against it
+        here), able to go into the shared cupy graphs (or carrying a `capture` fallback that
+        notes say); None with notes["torch"] = "not measured: why" when it cannot be timed."""
+        try:
+            import torch
+        except ImportError:
+            notes["torch"] = "not measured: torch is not installed in the GPU worker's Python"
+            return None
+        except Exception as exc:  # noqa: BLE001 - a broken torch install is a note, not a failed run
+            notes["torch"] = f"not measured: import torch failed: {type(exc).__name__}: {exc}"
+            return None
+        try:
+            if not torch.cuda.is_available():
+                notes["torch"] = f"not measured: torch {torch.__version__} sees no CUDA device (a CPU-only build?)"
+                return None
+            dev = torch.device("cuda", self.device.id)
+            tensors = []
+            for arr in (buf.A, buf.B, buf.C):
+                t = torch.as_tensor(arr, device=dev)  # __cuda_array_interface__: shares the memory
+                if t.data_ptr() != arr.data.ptr:
+                    t = torch.from_dlpack(arr)
+                if (t.data_ptr() != arr.data.ptr or tuple(t.shape) != arr.shape or t.dtype != torch.float16
+                        or not t.is_contiguous()):
+                    notes["torch"] = "not measured: torch could not wrap the worker's buffers without a copy"
+                    return None
+                tensors.append(t)
+            ta, tb, tc = tensors
+            # A is M x K, B is N x K (both row-major), C = A B^T is M x N row-major: the same
+            # C that cublasGemmEx(OP_T, OP_N, N, M, K, B, A) writes. B.t() is a view (no copy).
+            tbt = tb.t()
+            ext = torch.cuda.ExternalStream(self.stream.ptr, device=dev)
+            stream_ptr = self.stream.ptr
+
+            def launch(b: Buffers, s) -> None:
+                assert b is buf and s.ptr == stream_ptr, "torch's tensors are bound to this shape's buffers"
+                with torch.cuda.stream(ext):
+                    torch.matmul(ta, tbt, out=tc)
+
+            notes["torch_version"] = (f"torch {torch.__version__} (CUDA {torch.version.cuda}), "
+                                      "torch.matmul(A, B.t(), out=C) on the worker's buffers and stream")
+            # Same inputs, cuBLAS then torch into a NaN-poisoned C: torch must write our C and match.
+            verify.fill_normal(buf)
+            buf.poison_c()
+            self.cublas(buf, self.stream)
+            _sync_or_fault(self.stream)
+            ref = buf.C.copy()
+            buf.poison_c()
+            launch(buf, self.stream)
+            _sync_or_fault(self.stream)
+            ok, stats = outputs_match(ref, buf.C, self.cp)
+            bad_guards = buf.guards_intact()
+            if not ok or bad_guards:
+                why = (f"guard band around {', '.join(bad_guards)} overwritten" if bad_guards else
+                       f"{stats['outside_tolerance']} of {buf.C.size} outputs differ from cuBLAS beyond fp16 "
+                       f"tolerance ({stats['nan']} unwritten, max |diff| {stats['max_abs_diff']:.3g})")
+                notes["torch"] = f"not measured: torch.matmul's C does not equal cuBLAS's: {why}"
+                return None
+            notes["torch_check"] = (f"equals cuBLAS on random inputs: {stats['bitwise_equal']:.1%} bitwise, "
+                                    f"max |diff| {stats['max_abs_diff']:.3g}")
+        except KernelFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever torch refuses, the table says so
+            _sync_or_fault(self.stream)
+            notes["torch"] = f"not measured: {type(exc).__name__}: {exc}"
+            return None
+        # Does it capture into a cupy graph like every other contender? If not: a torch graph, else eager.
+        try:
+            graph = capture_launches(launch, buf, self.stream, 2)
+            graph.launch(self.stream)
+            _sync_or_fault(self.stream)
+            return launch
+        except KernelFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fall back below, and say so
+            _sync_or_fault(self.stream)
+            why = f"{type(exc).__name__}: {exc}"
+        try:
+            probe = _TorchGraph(torch, ext, launch, buf, self.stream, 2)
+            probe.launch(self.stream)
+            _sync_or_fault(self.stream)
+            launch.capture = lambda b, s, n: _TorchGraph(torch, ext, launch, b, s, n)
+            notes["torch_timing"] = ("timed from a torch.cuda.CUDAGraph (the same launches, replayed on our "
+                                     f"stream): capturing it into the shared cupy graph failed: {why}")
+        except KernelFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - last resort: eager
+            _sync_or_fault(self.stream)
+            launch.capture = lambda b, s, n: _EagerReplay(launch, b, n)
+            notes["torch_timing"] = ("timed EAGERLY (back-to-back calls, torch's host dispatch included where "
+                                     f"the GPU outruns it): cupy graph capture failed: {why}; torch graph capture "
+                                     f"failed: {type(exc).__name__}: {exc}")
+        return launch
+
     def compare(self, req: dict) -> dict:
-        """Benchmark: verify several candidates, then time them and cuBLAS interleaved in one run."""
+        """Benchmark: verify several candidates, then time them and the vendor baselines
+        (cuBLAS, cuBLASLt heuristic and autotuned, torch.matmul when installed) interleaved
+        in random order in one run, in each requested mode (`modes`: offline, server).
+
+        Replies `times_by_mode` {mode: {name: us}} and `times` (offline if requested, else
+        the first mode). A baseline that could not be measured is named in `notes`."""
+        modes = list(req.get("modes") or ["offline"])
+        unknown = [m for m in modes if m not in ("offline", "server")]
+        if unknown or len(set(modes)) != len(modes):
+            return {"status": "error", "reason": f"bad timing modes {modes}: each of offline, server at most once"}
+        clash = sorted(set(req["candidates"]) & set(BASELINES))
+        if clash:
+            return {"status": "error", "reason": f"candidate names {clash} clash with the baselines' names"}
         buf = self.buffers_for(req["shape"])
-        contenders, reports = {}, {}
+        contenders, reports, notes = {}, {}, {}
         keep = []  # the candidates' modules must outlive the timing
         for name, cand_req in req["candidates"].items():
-            cand = load_candidate(cand_req["cubin"], cand_req["launch"])
+            try:
+                cand = load_candidate(cand_req["cubin"], cand_req["launch"])
+            except Exception as exc:  # noqa: BLE001 - a binary that will not load fails its row only
+                reports[name] = {"ok": False, "kind": "load", "reason": f"binary does not load: {exc}"}
+                continue
             keep.append(cand)
-            if isinstance(cand, LibraryCandidate):
-                cand.reserve(buf.M, buf.N, buf.K, [cand_req["variant"]])
-            launch = cand.launcher(cand_req["variant"])
-            report = verify.full_check(launch, lambda b, s: self.cublas(b, s), buf, self.stream)
+            try:
+                if isinstance(cand, LibraryCandidate):
+                    cand.reserve(buf.M, buf.N, buf.K, [cand_req["variant"]])
+                launch = cand.launcher(cand_req["variant"])
+                report = verify.full_check(launch, lambda b, s: self.cublas(b, s), buf, self.stream)
+            except LaunchRefused as exc:
+                report = {"ok": False, "kind": "refused", "reason": str(exc)}
             reports[name] = report
             if report["ok"]:
                 contenders[name] = launch
-        verify.fill_normal(buf)
         contenders["cublas"] = lambda b, s: self.cublas(b, s)
-        notes = {}
         try:
             lt = CublasLt(self.stream, buf)
             contenders["cublaslt"] = lt.heuristic()
             contenders["cublaslt_auto"] = lt.autotuned(buf, self.stream)
-            notes["cublaslt_algos"] = len(lt.algos)
+            notes["cublaslt_algos"] = str(len(lt.algos))
         except (OSError, RuntimeError) as exc:  # no cuBLASLt here: the table says so, cuBLAS still counts
-            notes["cublaslt"] = f"not measured: {exc}"
-        times = time_graphs(contenders, buf, self.stream, self.rng)
-        return {"status": "ok", "times": times, "verify": reports, "gpu_state": gpu_state(), "notes": notes}
+            notes["cublaslt"] = notes["cublaslt_auto"] = f"not measured: {exc}"
+        if req.get("torch", True):
+            torch_launch = self._torch_matmul(buf, notes)
+            if torch_launch is not None:
+                contenders["torch"] = torch_launch
+        else:
+            notes["torch"] = "not measured: not requested"
+        verify.fill_normal(buf)
+        times_by_mode, states = {}, {}
+        for mode in modes:
+            if mode == "offline":
+                times_by_mode[mode] = time_graphs(contenders, buf, self.stream, self.rng, notes=notes)
+            else:
+                times_by_mode[mode] = time_server(contenders, buf, self.stream, self.rng, flush=self.l2_flush(),
+                                                  notes=notes)
+                notes["server"] = (f"single launches, each a 1-launch CUDA graph after an L2 flush "
+                                   f"({self.l2_flush().nbytes >> 20} MiB overwritten), a synchronize and an idle "
+                                   f"gap of {SERVER_GAP_US[0]:g}-{SERVER_GAP_US[1]:g} us; median")
+            states[mode] = gpu_state()
+            for name in BASELINES:
+                if name not in times_by_mode[mode] and name not in notes:
+                    notes[name] = f"not measured ({mode}): no time came back"
+        first = "offline" if "offline" in modes else modes[0]
+        return {"status": "ok", "modes": modes, "times": times_by_mode[first], "times_by_mode": times_by_mode,
+                "verify": reports, "gpu_state": states[first], "gpu_state_by_mode": states, "notes": notes}
 
 
 def main() -> None:

@@ -10,16 +10,49 @@ vendor library, fall back to cuBLAS.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tuner.errors import UserError
 from tuner.export import read_json
 from tuner.render import render, template_hash
-from tuner.shapes import Shape
-from tuner.space import load_space
+from tuner.shapes import Shape, parse_shape
+from tuner.space import Space, load_space
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "space.yaml"
+
+
+@dataclass
+class EntryBuild:
+    """What one export entry needs to run on a target: the CUDA source to compile, the kind of
+    binary, how the GPU worker launches it, and the run-time knobs it passes."""
+
+    family: str
+    template: str
+    config: dict[str, Any]      # every knob, compile-time and run-time
+    variant: dict[str, Any]     # the run-time knobs (kernel arguments)
+    source: str
+    artifact: str               # cubin | library
+    launch: dict[str, Any]      # tuner.search.launch_spec for the entry's shape on the target
+    template_changed: bool      # the template differs from the one the entry was tuned with
+
+
+def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
+    """An export entry (tuner.export.entry) -> source, launch and variant for `target`.
+
+    Shared by the loader (`load(...)`) and `hgemm-tune bench`. Raises UserError when the
+    family or a knob is not in the space any more."""
+    from tuner.search import launch_spec
+
+    fam = space.family(entry["family"])
+    config = fam.complete(entry["knobs"])
+    shape = parse_shape(entry["shape"])
+    changed = bool(entry.get("template_hash")) and template_hash(fam) != entry["template_hash"]
+    return EntryBuild(family=fam.name, template=fam.template, config=config,
+                      variant={k.name: config[k.name] for k in fam.runtime_knobs},
+                      source=render(fam, config, target.arch), artifact=fam.artifact,
+                      launch=launch_spec(fam, config, shape, target), template_changed=changed)
 
 
 class Gemm:
@@ -43,7 +76,6 @@ class Gemm:
 
         from tuner.compile import compile_source
         from tuner.gpu_worker import load_candidate
-        from tuner.search import launch_spec
         from tuner.target import target_from_device
 
         arch = self._arch()
@@ -54,19 +86,17 @@ class Gemm:
         if entry is None or entry.get("pick") != entry["family"]:
             self._kernels[key] = None
             return None
-        fam = self.space.family(entry["family"])
-        if entry.get("template_hash") and template_hash(fam) != entry["template_hash"]:
-            warnings.warn(f"{fam.template} changed since {shape} was tuned: running today's template",
-                          stacklevel=3)
-        config = fam.complete(entry["knobs"])
-        res = compile_source(render(fam, config, arch), arch, artifact=fam.artifact)
-        if not res.ok:
-            raise UserError(f"exported kernel for {shape} does not compile: {res.error}")
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         target = target_from_device(props, "gpu")
-        kernel = load_candidate(res.cubin, launch_spec(fam, config, shape, target))
-        variant = {k.name: config[k.name] for k in fam.runtime_knobs}
-        self._kernels[key] = (kernel, variant)
+        build = entry_build(self.space, entry, target)
+        if build.template_changed:
+            warnings.warn(f"{build.template} changed since {shape} was tuned: running today's template",
+                          stacklevel=3)
+        res = compile_source(build.source, target.arch, artifact=build.artifact)
+        if not res.ok:
+            raise UserError(f"exported kernel for {shape} does not compile: {res.error}")
+        kernel = load_candidate(res.cubin, build.launch)
+        self._kernels[key] = (kernel, build.variant)
         return self._kernels[key]
 
     def __call__(self, A, B, out=None):

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -118,3 +119,77 @@ def test_kill9_keeps_every_finished_trial(tmp_path):
     for t in before:  # nothing finished before the kill was lost or changed
         assert t.number in after_by_number and after_by_number[t.number].value == t.value
     assert max(_configs(after).values()) == 1, "no config measured twice across the kill"
+
+
+DEAD_WORKER = """
+import sys, time, optuna
+from tuner.search import trial_params
+from tuner.space import load_space
+from tuner.storage import Heartbeat, open_storage
+storage, name, space_file, config = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+backing = open_storage(storage)
+study = optuna.load_study(study_name=name, storage=backing)
+study.enqueue_trial(trial_params(load_space(space_file).family("cute_sm80"), config))
+trial = study.ask()
+with Heartbeat(backing, lambda: [trial._trial_id]):
+    print(trial.number, flush=True)
+    time.sleep(600)  # holds the trial until SIGKILL
+"""
+
+
+def test_killed_worker_trial_is_failed_and_retried(small_space, tmp_path):
+    """A worker SIGKILLed while it holds a trial: once its heartbeat is older than the grace
+    period, the next worker fails that trial, re-queues its config and measures it once."""
+    env = os.environ | {"HGEMM_TUNE_HEARTBEAT_S": "1", "HGEMM_TUNE_GRACE_S": "2"}
+    db = tmp_path / "dead.db"
+    storage = f"sqlite:///{db}"
+    common = ["--backend", "replay", "--replay", str(REPLAY), "--sampler", "grid", "--space", str(small_space),
+              "--storage", storage]
+    res = subprocess.run([sys.executable, "-m", "tuner.cli", "--shape", SHAPE, "--trials", "3", "--families",
+                          "cute_sm80", "--seed", "0", *common], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (name,) = optuna.get_all_study_names(storage)
+    taken = _configs(measured(storage))
+    fam = load_space(small_space).family("cute_sm80")
+    names = [k.name for k in fam.compile_knobs]
+    shape, target = parse_shape(SHAPE), target_for_arch("sm_90a")
+    recorded = [json.loads(line) for line in REPLAY.read_text().splitlines()]
+    config = next(c for c in (dict(zip(names, v, strict=True))
+                              for v in itertools.product(*(k.values for k in fam.compile_knobs)))
+                  if json.dumps(c, sort_keys=True) not in taken
+                  and any(r.get("config") == c and r["measurement"]["status"] == "ok" for r in recorded)
+                  and not fam.violations(c | {"SWIZZLE_LOG": 0}, shape, target))
+
+    child = subprocess.Popen([sys.executable, "-c", "import json\n" + DEAD_WORKER, storage, name, str(small_space),
+                              json.dumps(config)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+    dead = int(child.stdout.readline())
+    deadline = time.time() + 30
+    while time.time() < deadline and not _heartbeats(db):
+        time.sleep(0.2)
+    assert _heartbeats(db), "the doomed worker never beat"
+    child.kill()  # SIGKILL: no chance to tell the trial
+    child.wait()
+    time.sleep(3)  # past the 2 s grace
+
+    res = subprocess.run([sys.executable, "-m", "tuner.cli", "worker", "--study", name, "--trials", "6", *common],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    study = optuna.load_study(study_name=name, storage=storage)
+    trials = study.get_trials()
+    assert trials[dead].state == optuna.trial.TrialState.FAIL, "the dead worker's trial is failed"
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == dead]
+    assert len(retries) == 1
+    assert retries[0].state == optuna.trial.TrialState.COMPLETE, retries[0].user_attrs.get("reason")
+    assert retries[0].user_attrs["config"] == config, "the retry measures the dead trial's config"
+    assert max(_configs(measured(storage)).values()) == 1, "no config measured twice"
+
+
+def _heartbeats(db: Path) -> int:
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            return conn.execute("SELECT COUNT(*) FROM trial_heartbeats").fetchone()[0]
+    except sqlite3.Error:
+        return 0

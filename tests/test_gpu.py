@@ -71,6 +71,30 @@ def test_broken_kernels_fail_with_their_kind(backend, tmp_path, kind):
     assert ok.ok, ok.reason
 
 
+def test_gpu_worker_killed_from_outside(backend, tmp_path):
+    """The GPU worker SIGKILLed by someone else mid-evaluation: the trial fails as
+    worker_died with the reason, a new worker starts, and the next trial measures."""
+    import os
+    import signal
+    import threading
+
+    shape = parse_shape("67x45x2100")
+    spin = "for (;;) { __nanosleep(1000); }"  # keeps the worker busy until the kill
+    req = _naive_request(spin, shape, tmp_path, backend.target.arch)
+    pid = backend.proc.pid
+    timer = threading.Timer(3.0, os.kill, (pid, signal.SIGKILL))
+    timer.start()
+    try:
+        m = backend.evaluate(req, timeout_s=120)
+    finally:
+        timer.cancel()
+    assert not m.ok and m.kind == "worker_died", (m.kind, m.reason)
+    assert "exited" in m.reason or "gone" in m.reason
+    assert backend.proc.pid != pid, "a fresh worker was started"
+    ok = backend.evaluate(_naive_request("C[i] = __float2half(acc);", shape, tmp_path, backend.target.arch))
+    assert ok.ok, ok.reason
+
+
 def test_fp16_accumulation_is_caught(backend, tmp_path):
     shape = parse_shape("64x64x4096")
     src = NAIVE.replace("float acc = 0.f;", "__half acc = 0;").replace(

@@ -520,3 +520,13 @@ def test_bench_command_end_to_end_both_modes(tmp_path):
     md = (tmp_path / "bench" / "bench.md").read_text()
     assert "| 512x384x256 | offline | wmma |" in md and "| 512x384x256 | server | wmma |" in md
     assert "Geomean speedup" in md and (tmp_path / "bench" / "bench.csv").is_file()
+
+
+def test_report_plots_a_bench_json(result, tmp_path):
+    """`hgemm-tune report bench.json` draws speedup vs FLOPs per baseline, one panel per mode."""
+    bm.write_outputs(result, tmp_path, "best.json")
+    res = subprocess.run([sys.executable, "-m", "tuner.cli", "report", str(tmp_path / "bench.json"),
+                          "--out", str(tmp_path / "rep")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    png = tmp_path / "rep" / "bench_speedup_vs_flops.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

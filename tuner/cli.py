@@ -533,20 +533,36 @@ def export(
 
 @app.command()
 def report(
-    source: str = typer.Argument("runs/sweep.json", help="An export JSON file, or a storage URL (sqlite:///...)."),
+    source: str = typer.Argument("runs/sweep.json", help="An export JSON file, a storage URL (sqlite:///...), "
+                                                         "or the bench.json that `hgemm-tune bench` wrote."),
     out: Path = typer.Option(Path("runs/report"), "--out", help="Folder for the PNG plots and report.md."),
 ) -> None:
-    """Plots (speedup vs FLOPs, heatmap over M x N, roofline, winners' knobs) and a table."""
+    """Plots (speedup vs FLOPs, heatmap over M x N, roofline, winners' knobs) and a table.
+
+    Given a bench.json: speedup over every baseline (cuBLAS, cuBLASLt, cuBLASLt autotuned,
+    torch) against FLOPs, offline and server mode side by side."""
     from tuner.export import export_studies, load_studies, read_json
-    from tuner.report import write_report
+    from tuner.report import write_bench_report, write_report
 
     is_url = "://" in source or source.startswith("journal:")
-    data = export_studies(load_studies(source)) if is_url else read_json(source)
-    files = write_report(data, out)
+    if not is_url and _is_bench_json(source):
+        files = write_bench_report(json.loads(Path(source).read_text()), out)
+    else:
+        data = export_studies(load_studies(source)) if is_url else read_json(source)
+        files = write_report(data, out)
     if not files:
         raise UserError(f"{source}: no verified entries to report on")
     for f in files:
         console.print(f"wrote {f}")
+
+
+def _is_bench_json(path: str) -> bool:
+    """Is this `hgemm-tune bench` output (rows per mode) rather than an export?"""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False  # read_json reports it properly
+    return isinstance(data, dict) and "rows" in data and "modes" in data
 
 
 _BENCH_HELP = (

@@ -101,6 +101,37 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
+def write_bench_report(bench: dict[str, Any], out: Path) -> list[Path]:
+    """From `hgemm-tune bench`'s bench.json: speedup over every baseline against GFLOP (log),
+    one panel per timing mode (offline, server). Failed rows are not plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame([r for r in bench["rows"] if r.get("status") == "ok"])
+    if df.empty:
+        return []
+    df["gflop"] = 2 * df["M"] * df["N"] * df["K"] / 1e9
+    bases = [c.removeprefix("speedup_") for c in df.columns if c.startswith("speedup_") and df[c].notna().any()]
+    modes = [m for m in bench["modes"] if m in set(df["mode"])]
+    tag = "  [SIMULATED]" if bench.get("simulated") else ""
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        sub = df[df["mode"] == mode]
+        for base, marker in zip(bases, "osD^v", strict=False):
+            ax.scatter(sub["gflop"], sub[f"speedup_{base}"], label=f"vs {base}", marker=marker, alpha=0.75)
+        ax.axhline(1.0, color="gray", lw=1, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("GFLOP per GEMM (log)")
+        ax.set_title(f"{mode} mode")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("speedup (baseline us / ours us)")
+    fig.suptitle(f"{bench['gpu']}: tuned kernels against the vendor libraries, same run{tag}")
+    return [_save(fig, out / "bench_speedup_vs_flops.png")]
+
+
 def _has_tabulate() -> bool:
     try:
         import tabulate  # noqa: F401

@@ -25,6 +25,14 @@ for step in "$@"; do
                | tee "$OUT/bench90.log" | tail -16 ;;
     bench10) timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 | tee "$OUT/bench10.log" | tail -16 ;;
+    sweep27) # issue 4: sweep the {256,2048,8192}^3 sub-grid, bench its export in both modes, plot
+             timeout "${SWEEP_TIMEOUT:-400}" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
+               --trials-per-shape "${SWEEP_TRIALS:-12}" --budget "${SWEEP_BUDGET:-360}" --seed 0 \
+               --storage sqlite:///runs/sweep27.db -o "$OUT/sweep27.json" 2>&1 | tee "$OUT/sweep27.log" | tail -40
+             timeout "${SWEEP_BENCH_TIMEOUT:-170}" python3 -m tuner.cli bench "$OUT/sweep27.json" --mode both \
+               --out "$OUT/sweep27_bench" 2>&1 | tee "$OUT/sweep27_bench.log" | tail -12
+             python3 -m tuner.cli report "$OUT/sweep27_bench/bench.json" --out "$OUT/sweep27_report"
+             python3 -m tuner.cli report "$OUT/sweep27.json" --out "$OUT/sweep27_report" ;;
     gpu-tests) timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests -x -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
     tune) timeout 420 python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
             --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \

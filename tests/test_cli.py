@@ -73,3 +73,25 @@ def test_no_gpu_is_one_line_exit_2():
         pytest.skip("a GPU is present here")
     res = run("--shape", "64x64x64", "--trials", "1")
     assert res.returncode == 2 and "GPU worker cannot start" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--accumulate", "fp64"], "--accumulate 'fp64': choose one of fp32, fp16"),
+    (["--accumulate", "fp16", "--families", "wmma"], "fp16 accumulation: family wmma does not build it "
+                                                     "(families that do: cute_sm90)"),
+])
+def test_accumulate_choices(args, needle, tmp_path):
+    replay = ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl"
+    res = run("--shape", "4096x4096x8192", "--trials", "2", "--backend", "replay", "--replay", str(replay),
+              "--storage", f"sqlite:///{tmp_path}/a.db", "--space", str(ROOT / "space.yaml"), *args, cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert needle in " ".join(res.stderr.split()), res.stderr
+
+
+def test_fp16_accumulate_is_its_own_problem_in_replay(tmp_path):
+    """An fp32 replay file cannot answer an fp16-accumulate study: it says so, nothing invented."""
+    replay = ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl"
+    res = run("--shape", "4096x4096x8192", "--trials", "2", "--backend", "replay", "--replay", str(replay),
+              "--storage", f"sqlite:///{tmp_path}/a.db", "--accumulate", "fp16", "--families", "cute_sm90",
+              "--arch", "sm_90a", "--space", str(ROOT / "space.yaml"), cwd=tmp_path)
+    assert res.returncode == 2 and "no baseline for shape 4096x4096x8192 with fp16 accumulation" in res.stderr

@@ -57,3 +57,14 @@ def test_cute_sm80_uses_mma_sync_cp_async_and_ldmatrix(space, tmp_path):
     ops = opcode_counts(dump_sass(res.cubin))
     assert ops["HMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDSM"] > 0, dict(ops)
     assert ops["HGMMA"] == 0 and ops["LDL"] == 0 and ops["STL"] == 0, dict(ops)
+
+
+def test_cute_sm90_fp16_accumulate_issues_f16_wgmma(space, tmp_path):
+    """`--accumulate fp16` renders a kernel whose wgmma accumulates in fp16 (HGMMA ... .F16)."""
+    fam = space.family("cute_sm90")
+    src = render(fam, fam.complete({}), "sm_90a", accumulate="fp16")
+    res = compile_source(src, "sm_90a", tmp_path, 600.0, fam.artifact)
+    assert res.ok, res.error
+    sass = dump_sass(res.cubin)
+    hgmma = [line for line in sass.splitlines() if "HGMMA." in line]
+    assert hgmma and all(".F16" in line and ".F32" not in line for line in hgmma), hgmma[:3]

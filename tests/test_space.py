@@ -131,3 +131,23 @@ def test_mangled_space_files_load_or_fail_cleanly(tmp_path, drop, junk):
             fam.violations(fam.defaults(), parse_shape("4096x4096x8192"), target_for_arch("sm_90a"))
         except UserError as exc:
             assert "expression" in str(exc)
+
+
+def test_accumulate_is_a_problem_choice_not_a_knob(space):
+    from tuner.render import render
+
+    sm90, wmma = space.family("cute_sm90"), space.family("wmma")
+    assert sm90.accumulate == ("fp32", "fp16") and wmma.accumulate == ("fp32",)
+    assert "ACCUM" not in sm90.knobs
+    assert "using Accum = float;" in render(sm90, sm90.complete({}), "sm_90a")
+    assert "using Accum = cutlass::half_t;" in render(sm90, sm90.complete({}), "sm_90a", accumulate="fp16")
+    with pytest.raises(UserError, match="wmma builds fp32 accumulation only, not fp16"):
+        render(wmma, wmma.complete({}), "sm_90a", accumulate="fp16")
+
+
+def test_bad_accumulate_list_names_the_key(tmp_path):
+    text = (ROOT / "space.yaml").read_text().replace("accumulate: [fp32, fp16]", "accumulate: [fp32, fp64]")
+    (tmp_path / "templates").symlink_to(ROOT / "templates")
+    (tmp_path / "space.yaml").write_text(text)
+    with pytest.raises(UserError, match=r"families\.cute_sm90\.accumulate.*fp64"):
+        load_space(tmp_path / "space.yaml")

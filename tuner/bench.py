@@ -36,6 +36,7 @@ class EvalRequest:
     cubin: str | None
     launch: dict[str, int]
     variants: list[dict[str, Any]]  # run-time knob combinations to time
+    accumulate: str = "fp32"        # fp16: verified and timed against cuBLAS in fp16 compute mode
 
 
 @dataclass
@@ -148,8 +149,9 @@ class GpuBackend:
             self._start()
         return reply
 
-    def baseline(self, shape: Shape) -> dict[str, float]:
-        reply = self._call_restarting({"op": "baseline", "shape": [shape.M, shape.N, shape.K]}, 300)
+    def baseline(self, shape: Shape, accumulate: str = "fp32") -> dict[str, float]:
+        reply = self._call_restarting({"op": "baseline", "shape": [shape.M, shape.N, shape.K],
+                                       "accumulate": accumulate}, 300)
         if reply.get("status") != "ok":
             raise UserError(f"cuBLAS baseline failed for {shape}: {reply.get('reason')}")
         return reply["baselines"]
@@ -158,7 +160,7 @@ class GpuBackend:
         start = time.perf_counter()
         reply = self._call_restarting({
             "op": "evaluate", "cubin": req.cubin, "shape": [req.shape.M, req.shape.N, req.shape.K],
-            "launch": req.launch, "variants": req.variants}, timeout_s)
+            "launch": req.launch, "variants": req.variants, "accumulate": req.accumulate}, timeout_s)
         status = reply.get("status", "error")
         return Measurement(
             status="ok" if status == "ok" else ("timeout" if status == "timeout" else
@@ -206,7 +208,7 @@ class ReplayBackend:
                 continue
             try:
                 rec = json.loads(line)
-                shape = rec["shape"]
+                shape = _replay_key(rec["shape"], rec.get("accumulate", "fp32"))
                 if rec.get("type") == "baseline":
                     self.baselines[shape] = rec["baselines_us"]
                 else:
@@ -217,13 +219,15 @@ class ReplayBackend:
         self.name = f"replay:{self.path.name}"
         self.families = {family for _, key in self.records for family in [key.split(":", 1)[0]]}
 
-    def baseline(self, shape: Shape) -> dict[str, float]:
-        if str(shape) not in self.baselines:
-            raise UserError(f"replay file {self.path} has no baseline for shape {shape}")
-        return self.baselines[str(shape)]
+    def baseline(self, shape: Shape, accumulate: str = "fp32") -> dict[str, float]:
+        key = _replay_key(str(shape), accumulate)
+        if key not in self.baselines:
+            raise UserError(f"replay file {self.path} has no baseline for shape {shape}"
+                            + ("" if accumulate == "fp32" else f" with {accumulate} accumulation"))
+        return self.baselines[key]
 
     def evaluate(self, req: EvalRequest, timeout_s: float = 60.0) -> Measurement:
-        rec = self.records.get((str(req.shape), config_key(req.family, req.config)))
+        rec = self.records.get((_replay_key(str(req.shape), req.accumulate), config_key(req.family, req.config)))
         if rec is None:
             return Measurement(status="not_recorded", kind="not_recorded", simulated=True, gpu=self.name,
                                reason="config not recorded in the replay file (no time is invented)")
@@ -235,16 +239,26 @@ class ReplayBackend:
         pass
 
 
+def _replay_key(shape: str, accumulate: str) -> str:
+    """Replay records of fp16 accumulation answer only fp16 requests (older files hold fp32 only)."""
+    return shape if accumulate == "fp32" else f"{shape}/{accumulate}"
+
+
 def record_measurement(path: Path, req: EvalRequest, m: Measurement) -> None:
     """Append one real measurement to a replay file."""
     rec = {"shape": str(req.shape), "family": req.family, "config": req.config, "measurement": m.to_dict()}
+    if req.accumulate != "fp32":
+        rec["accumulate"] = req.accumulate
     with open(path, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
 
 
-def record_baseline(path: Path, shape: Shape, baselines: dict[str, float]) -> None:
+def record_baseline(path: Path, shape: Shape, baselines: dict[str, float], accumulate: str = "fp32") -> None:
+    rec = {"type": "baseline", "shape": str(shape), "baselines_us": baselines}
+    if accumulate != "fp32":
+        rec["accumulate"] = accumulate
     with open(path, "a") as fh:
-        fh.write(json.dumps({"type": "baseline", "shape": str(shape), "baselines_us": baselines}) + "\n")
+        fh.write(json.dumps(rec) + "\n")
 
 
 def records_from_study(study) -> list[dict]:
@@ -253,6 +267,8 @@ def records_from_study(study) -> list[dict]:
 
     skip = (*NOT_MEASURED, "compile_error", "not_recorded")  # nothing was measured on a GPU
     shape = study.user_attrs.get("shape")
+    acc = study.user_attrs.get("accumulate", "fp32")
+    tag = {} if acc == "fp32" else {"accumulate": acc}
     out: list[dict] = []
     cublas = []
     for t in study.get_trials(deepcopy=False):
@@ -263,10 +279,10 @@ def records_from_study(study) -> list[dict]:
                         reason=a.get("reason"), times_us=a.get("variant_times_us", {}),
                         baselines_us={"cublas": a["cublas_us"]} if a.get("cublas_us") else {},
                         verify=a.get("verify", {}), gpu=a.get("gpu", ""), gpu_state=a.get("gpu_state", {}))
-        out.append({"shape": shape, "family": a["family"], "config": a["config"], "measurement": m.to_dict()})
+        out.append({"shape": shape, "family": a["family"], "config": a["config"], "measurement": m.to_dict(), **tag})
         if a.get("cublas_us"):
             cublas.append(a["cublas_us"])
     if cublas:
         cublas.sort()
-        out.insert(0, {"type": "baseline", "shape": shape, "baselines_us": {"cublas": cublas[len(cublas) // 2]}})
+        out.insert(0, {"type": "baseline", "shape": shape, "baselines_us": {"cublas": cublas[len(cublas) // 2]}, **tag})
     return out

@@ -34,6 +34,17 @@ out_console = Console(width=None if sys.stdout.isatty() else 220)
 
 DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
 SpaceOpt = typer.Option(Path("space.yaml"), "--space", help="Search-space file (families, knobs, constraints).")
+AccumulateOpt = typer.Option("fp32", "--accumulate",
+                             help="fp32 (default) or fp16 accumulation. fp16 is a different problem: its own study, "
+                                  "only families that build it, verified and timed against cuBLAS in fp16 compute.")
+
+
+def _accumulate(value: str) -> str:
+    from tuner.space import ACCUMULATE
+
+    if value not in ACCUMULATE:
+        raise UserError(f"--accumulate {value!r}: choose one of {', '.join(ACCUMULATE)}")
+    return value
 
 
 def _parse_sets(sets: list[str]) -> dict[str, Any]:
@@ -61,13 +72,14 @@ def _make_backend(backend: str, replay: Path | None, arch: str, gpu: int | None,
     raise UserError(f"unknown backend {backend!r}: use gpu or replay")
 
 
-def _families_for(space, names: str | None, target, backend=None) -> list[str]:
+def _families_for(space, names: str | None, target, backend=None, accumulate: str = "fp32") -> list[str]:
+    from tuner.search import check_accumulate
+
     if names:
         chosen = [n.strip() for n in names.split(",") if n.strip()]
-        for n in chosen:
-            space.family(n)
+        check_accumulate(space, chosen, accumulate)  # also: every name is a family
         return chosen
-    fams = [f.name for f in space.families.values() if target.cc >= f.min_arch]
+    fams = [f.name for f in space.families.values() if target.cc >= f.min_arch and accumulate in f.accumulate]
     recorded = getattr(backend, "families", None)
     if recorded is not None:  # a replay file can only answer for the families it recorded
         fams = [f for f in fams if f in recorded]
@@ -130,17 +142,19 @@ def _measuring(be, jobs: int | None, resume_hint: str):
             pool.close()
 
 
-def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeout, jobs, record, label="tuning"):
+def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeout, jobs, record, label="tuning",
+            accumulate="fp32"):
     """Run the search in this process with a progress bar; returns the study."""
     from tuner.bench import record_baseline, record_measurement
     from tuner.search import hang_timeout_s
     from tuner.search import tune as run_tune
 
     with _measuring(be, jobs, "run the same command to resume.") as pool:
-        baselines = be.baseline(shp)
+        baselines = be.baseline(shp, accumulate)
         if record:
-            record_baseline(record, shp, baselines)
-        console.print(f"{shp}: {shp.flops / 1e9:.1f} GFLOP; cuBLAS {baselines['cublas']:.2f} us "
+            record_baseline(record, shp, baselines, accumulate)
+        acc = "" if accumulate == "fp32" else f" ({accumulate} compute)"
+        console.print(f"{shp}: {shp.flops / 1e9:.1f} GFLOP; cuBLAS{acc} {baselines['cublas']:.2f} us "
                       f"({shp.tflops(baselines['cublas']):.1f} TFLOP/s) on {be.name}; families {', '.join(fams)}")
         with _progress() as bar:
             task = bar.add_task(label, total=trials, status="")
@@ -153,7 +167,7 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
             recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
             return run_tune(space, fams, shp, be, trials=trials, sampler=sampler, storage=storage, name=name,
                             seed=seed, timeout_s=timeout, pool=pool, on_progress=on_progress, recorder=recorder,
-                            eval_timeout_s=hang_timeout_s(baselines["cublas"]))
+                            eval_timeout_s=hang_timeout_s(baselines["cublas"]), accumulate=accumulate)
 
 
 def _gpu_count() -> int:
@@ -220,6 +234,7 @@ def tune(
     record: Path | None = typer.Option(None, help="Append every measurement to this replay file."),
     space_file: Path = SpaceOpt,
     output: Path | None = typer.Option(None, "-o", "--output", help="Also write the best config JSON here."),
+    accumulate: str = AccumulateOpt,
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; export the best as JSON."""
     from tuner.export import export_studies, write_json
@@ -231,12 +246,13 @@ def tune(
     space = load_space(space_file)
     Path("runs").mkdir(exist_ok=True)
     be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
-    fams = _families_for(space, families, be.target, be)
-    name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch)
+    fams = _families_for(space, families, be.target, be, _accumulate(accumulate))
+    name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=accumulate)
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
     started = time.perf_counter()
-    common = dict(sampler=sampler, storage=storage, name=name, seed=seed, timeout=timeout, jobs=jobs)
+    common = dict(sampler=sampler, storage=storage, name=name, seed=seed, timeout=timeout, jobs=jobs,
+                  accumulate=accumulate)
     if workers == 1:
         st = _search(space, fams, shp, be, trials=trials, record=record, **common)
     else:
@@ -298,7 +314,8 @@ def worker(
     be = _make_backend(backend, replay, arch, gpu, log)
     target = trials if trials is not None else int(attrs.get("trials_target", 100))
     st = _search(space, attrs["families"], shp, be, trials=target, sampler=sampler, storage=storage, name=study,
-                 seed=None, timeout=timeout, jobs=jobs, record=record, label=f"worker {be.name}")
+                 seed=None, timeout=timeout, jobs=jobs, record=record, label=f"worker {be.name}",
+                 accumulate=attrs.get("accumulate", "fp32"))
     console.print(f"worker {be.name} done: study holds {measured_trials(st)} measured trials")
 
 
@@ -347,6 +364,7 @@ def sweep(
     jobs: int | None = typer.Option(None, help="Parallel nvcc jobs."),
     seed: int | None = typer.Option(None, help="Sampler seed."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Also write the best configs JSON here."),
+    accumulate: str = AccumulateOpt,
 ) -> None:
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable."""
     import optuna
@@ -365,7 +383,7 @@ def sweep(
     todo = sorted(dict.fromkeys(s for n in names for s in space.shapes[n]), key=lambda s: (s.flops, str(s)))
     Path("runs").mkdir(exist_ok=True)
     be = _make_backend(backend, replay, arch, gpu, Path("runs") / "worker.log")
-    fams = _families_for(space, families, be.target, be)
+    fams = _families_for(space, families, be.target, be, _accumulate(accumulate))
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
     deadline = time.perf_counter() + budget if budget else None
@@ -376,7 +394,7 @@ def sweep(
         for shp in todo:
             if deadline and time.perf_counter() > deadline:
                 break
-            name = study_name(shp, [space.family(f) for f in fams], be.target.arch)
+            name = study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=accumulate)
             st = open_study(name, storage)
             if (measured_trials(st) >= trials_per_shape
                     or st.user_attrs.get("sweep_done_trials", 0) >= trials_per_shape):
@@ -384,7 +402,7 @@ def sweep(
                 bar.advance(over)
                 continue
             try:
-                baselines = be.baseline(shp)
+                baselines = be.baseline(shp, accumulate)
             except UserError as exc:
                 skipped.append((str(shp), str(exc)))
                 bar.advance(over)
@@ -401,7 +419,7 @@ def sweep(
             st = run_tune(space, fams, shp, be, trials=trials_per_shape, sampler=sampler, storage=storage,
                           name=name, seed=seed, timeout_s=limit, pool=pool, on_progress=on_progress,
                           warm_start=_nearest_winners(storage, shp, fams), patience=patience,
-                          eval_timeout_s=hang_timeout_s(baselines["cublas"]))
+                          eval_timeout_s=hang_timeout_s(baselines["cublas"]), accumulate=accumulate)
             if not (deadline and time.perf_counter() >= deadline):
                 # Stopped by its count, patience or its own time box: done at this trial budget.
                 st.set_user_attr("sweep_done_trials", trials_per_shape)
@@ -683,11 +701,16 @@ def propose(
     backend: str = typer.Option("auto", help="auto: the GPU if present, else compile-only; gpu; none."),
     trials: int = typer.Option(12, help="Trials of the short tune of parent and child per shape."),
     arch: str = typer.Option("sm_90a", help="Build target when no GPU is present."),
+    storage: str = typer.Option(DEFAULT_STORAGE, help="Studies whose results and errors the prompt reports "
+                                                      "(read only)."),
     space_file: Path = SpaceOpt,
     out: Path = typer.Option(Path("runs/proposals"), help="Where prompts, replies and outcomes are kept."),
 ) -> None:
     """Ask an LLM for a template improvement, validate it, and keep it only if it wins."""
+    from rich.markup import escape
+
     from proposer.client import ChatClient
+    from proposer.evidence import gather
     from proposer.loop import run_rounds
     from tuner.shapes import parse_shape
     from tuner.space import load_space
@@ -696,6 +719,7 @@ def propose(
     space.family(family)
     shapes = [parse_shape(s) for s in shape]
     client = ChatClient(base_url, model, timeout_s=timeout)
+    evidence = gather(storage, family, shapes)
     be = None
     if backend in ("auto", "gpu"):
         try:
@@ -703,28 +727,32 @@ def propose(
         except UserError as exc:
             if backend == "gpu":
                 raise
-            console.print(f"[yellow]no GPU[/] ({exc}): proposals are validated up to nvcc only")
+            console.print(f"[yellow]no GPU[/] ({escape(str(exc))}): proposals are validated up to nvcc only")
     target_arch = be.target.arch if be else arch
     try:
         outcomes = run_rounds(space, family, shapes, client, rounds=rounds, candidates=candidates, out_dir=out,
-                              backend=be, arch=target_arch, trials=trials)
+                              backend=be, arch=target_arch, trials=trials, evidence=evidence,
+                              log=lambda line: console.print(line, markup=False, highlight=False))
     finally:
         if be:
             be.close()
     table = Table("proposal", "status", "reason", title=f"proposals for {family}")
     for o in outcomes:
-        table.add_row(o.id, o.status, o.reason[:100])
+        table.add_row(o.id, o.status, escape(o.reason[:160]))
     out_console.print(table)
 
 
 @app.command()
 def proposals(out: Path = typer.Option(Path("runs/proposals"), help="Folder of recorded proposals.")) -> None:
-    """List recorded proposals and their outcomes."""
+    """List recorded proposals, their outcomes and the family versions they became."""
+    from rich.markup import escape
+
     from proposer.loop import list_proposals
 
-    table = Table("proposal", "round", "status", "reason")
+    table = Table("proposal", "round", "status", "version", "reason")
     for o in list_proposals(out):
-        table.add_row(o["id"], str(o["round"]), o["status"], o["reason"][:100])
+        table.add_row(o["id"], str(o["round"]), o["status"], o.get("metrics", {}).get("version", "-"),
+                      escape(o["reason"][:120]))
     out_console.print(table)
 
 

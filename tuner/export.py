@@ -82,7 +82,7 @@ def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> dict[str, Any
     speedups = {"cublas": a.get("speedup_cublas")}
     return {
         "gpu": target.name, "arch": target.arch, "shape": str(shape), "M": shape.M, "N": shape.N, "K": shape.K,
-        "layout": "TN", "accumulate": "fp32",
+        "layout": "TN", "accumulate": attrs.get("accumulate", "fp32"),
         "family": a["family"], "template_hash": attrs.get("template_hashes", {}).get(a["family"]),
         "knobs": a["config"] | a.get("variant", {}), "source_hash": a.get("source_hash"),
         "time_us": a["time_us"], "tflops": a["tflops"], "roofline_fraction": roof / a["time_us"],

@@ -529,6 +529,7 @@ class Worker:
         self.cublas = Cublas(self.stream, "fp32")
         self.rng = random.Random(int.from_bytes(os.urandom(4), "little"))
         self._l2_flush: L2Flush | None = None
+        self._cublas16: Cublas | None = None
 
     def buffers_for(self, shape: list[int]) -> Buffers:
         M, N, K = shape
@@ -550,10 +551,20 @@ class Worker:
                 "driver": cp.cuda.runtime.driverGetVersion(),
                 "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
+    def cublas_for(self, accumulate: str) -> Cublas:
+        """cuBLAS in the problem's compute mode: fp32 (the default), or fp16 for an fp16-accumulate
+        study, whose kernels are verified against and timed with cuBLAS's own fp16 compute."""
+        if accumulate == "fp32":
+            return self.cublas
+        if self._cublas16 is None:
+            self._cublas16 = Cublas(self.stream, "fp16")
+        return self._cublas16
+
     def baseline(self, req: dict) -> dict:
         buf = self.buffers_for(req["shape"])
         verify.fill_normal(buf)
-        times = time_graphs({"cublas": lambda b, s: self.cublas(b, s)}, buf, self.stream, self.rng)
+        cublas = self.cublas_for(req.get("accumulate", "fp32"))
+        times = time_graphs({"cublas": lambda b, s: cublas(b, s)}, buf, self.stream, self.rng)
         return {"status": "ok", "baselines": times}
 
     def evaluate(self, req: dict) -> dict:
@@ -564,6 +575,8 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - a binary that will not load is a failed trial
             return {"status": "failed", "kind": "load", "reason": f"binary does not load: {exc}"}
         variants = req["variants"]
+        accumulate = req.get("accumulate", "fp32")
+        cublas = self.cublas_for(accumulate)
         launchers = {json.dumps(v, sort_keys=True): cand.launcher(v) for v in variants}
         try:
             if isinstance(cand, LibraryCandidate):
@@ -571,10 +584,10 @@ class Worker:
             # Verify the first variant fully and every variant on fresh random data:
             # run-time knobs change the tile order, so each must still be right.
             first = next(iter(launchers.values()))
-            report = verify.full_check(first, lambda b, s: self.cublas(b, s), buf, self.stream)
+            report = verify.full_check(first, cublas, buf, self.stream, accumulate)
             if report["ok"]:
                 for key, launch in list(launchers.items())[1:]:
-                    sub = verify.random_check(launch, lambda b, s: self.cublas(b, s), buf, self.stream)
+                    sub = verify.random_check(launch, cublas, buf, self.stream)
                     if not sub["ok"]:
                         report = sub | {"variant": json.loads(key)}
                         break
@@ -585,7 +598,7 @@ class Worker:
                 return {"status": "ok", "verify": report, "times": {}, "baselines": {}}
             verify.fill_normal(buf)
             contenders = dict(launchers)
-            contenders["cublas"] = lambda b, s: self.cublas(b, s)
+            contenders["cublas"] = cublas
             times = time_graphs(contenders, buf, self.stream, self.rng)
         except KernelFault as exc:
             return {"status": "fault", "kind": "fault", "reason": f"CUDA error: {exc}", "fatal": True}

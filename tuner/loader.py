@@ -46,20 +46,26 @@ def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
     from tuner.search import launch_spec
 
     fam = space.family(entry["family"])
-    config = fam.complete(entry["knobs"])
+    # Exports before 2026-12-03 carried the accumulator as a knob (ACCUM); it is the entry's
+    # `accumulate` now.
+    config = fam.complete({k: v for k, v in entry["knobs"].items() if k in fam.knobs or k != "ACCUM"})
     shape = parse_shape(entry["shape"])
     changed = bool(entry.get("template_hash")) and template_hash(fam) != entry["template_hash"]
     return EntryBuild(family=fam.name, template=fam.template, config=config,
                       variant={k.name: config[k.name] for k in fam.runtime_knobs},
-                      source=render(fam, config, target.arch), artifact=fam.artifact,
+                      source=render(fam, config, target.arch, accumulate=entry.get("accumulate", "fp32")),
+                      artifact=fam.artifact,
                       launch=launch_spec(fam, config, shape, target), template_changed=changed)
 
 
 class Gemm:
-    def __init__(self, path: str | Path, space_file: str | Path = DEFAULT_SPACE):
+    def __init__(self, path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32"):
         self.data = read_json(path)
         self.space = load_space(space_file)
-        self.entries = {(e["shape"], e["arch"]): e for e in self.data["entries"]}
+        # fp16-accumulate entries answer only a loader asked for fp16 accumulation.
+        self.accumulate = accumulate
+        self.entries = {(e["shape"], e["arch"]): e for e in self.data["entries"]
+                        if e.get("accumulate", "fp32") == accumulate}
         self._kernels: dict[tuple[str, str], Any] = {}
 
     def _arch(self) -> str:
@@ -124,5 +130,7 @@ class Gemm:
         return c
 
 
-def load(path: str | Path, space_file: str | Path = DEFAULT_SPACE) -> Gemm:
-    return Gemm(path, space_file)
+def load(path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32") -> Gemm:
+    """The exported kernels of `path` as a callable: gemm(A, B) -> C = A @ B.T (fp16).
+    accumulate="fp16" picks the file's fp16-accumulate entries instead."""
+    return Gemm(path, space_file, accumulate)

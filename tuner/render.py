@@ -30,12 +30,17 @@ def template_hash(family: Family) -> str:
     return hashlib.sha256((family.templates_dir / family.template).read_bytes()).hexdigest()[:16]
 
 
-def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Path | None = None) -> str:
-    """CUDA source for the compile-time knobs of `config` (run-time knobs are kernel args)."""
+def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Path | None = None,
+           accumulate: str = "fp32") -> str:
+    """CUDA source for the compile-time knobs of `config` (run-time knobs are kernel args),
+    with `accumulate` (fp32 | fp16) rendered as ACCUM."""
+    if accumulate not in family.accumulate:
+        raise UserError(f"family {family.name} builds {' and '.join(family.accumulate)} accumulation only, "
+                        f"not {accumulate}")
     params = family.compile_config(config)
     try:
         template = make_env(templates_dir or family.templates_dir).get_template(family.template)
-        return template.render(family=family.name, entry=ENTRY, arch=arch, **params)
+        return template.render(family=family.name, entry=ENTRY, arch=arch, ACCUM=accumulate, **params)
     except jinja2.TemplateError as exc:
         where = f"{family.template}:{getattr(exc, 'lineno', '?')}"
         raise UserError(f"template {where} does not render: {type(exc).__name__}: {exc}") from None

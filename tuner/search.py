@@ -57,7 +57,8 @@ def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.
     raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
 
 
-def study_name(shape: Shape, families: list[Family], arch: str, layout: str = "TN", acc: str = "f32") -> str:
+def study_name(shape: Shape, families: list[Family], arch: str, layout: str = "TN", accumulate: str = "fp32") -> str:
+    acc = {"fp32": "f32", "fp16": "f16"}[accumulate]
     return f"{shape}-{layout}-{acc}acc-{arch}-{'+'.join(f.name for f in families)}"
 
 
@@ -145,7 +146,8 @@ def launch_spec(fam: Family, config: dict[str, Any], shape: Shape, target) -> di
     return {"artifact": "cubin", "grid": launch.grid, "block": launch.block, "smem": launch.smem}
 
 
-def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: CompilePool | None) -> Pending:
+def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: CompilePool | None,
+            accumulate: str = "fp32") -> Pending:
     """Validate, render and (if the backend runs real code) start compiling one config."""
     full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
     rec = TrialRecord(family=fam.name, config=fam.compile_config(full), status="pending")
@@ -155,9 +157,10 @@ def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: Co
         return Pending(None, fam, rec.config, rec)
     # Every run-time variant must satisfy the constraints too.
     variants = [v for v in fam.runtime_variants() if not fam.violations(full | v, shape, backend.target)]
-    source = render(fam, full, backend.target.arch)
+    source = render(fam, full, backend.target.arch, accumulate=accumulate)
     rec.source_hash = source_hash(source)
-    req = EvalRequest(fam.name, rec.config, shape, None, launch_spec(fam, full, shape, backend.target), variants)
+    req = EvalRequest(fam.name, rec.config, shape, None, launch_spec(fam, full, shape, backend.target), variants,
+                      accumulate)
     pending = Pending(None, fam, rec.config, rec, request=req)
     if backend.needs_cubin:
         if pool is None:
@@ -324,14 +327,26 @@ def open_study(name: str, storage, sampler: optuna.samplers.BaseSampler | None =
         raise UserError(f"cannot open study {name!r} in {storage!r}: {type(exc).__name__}: {exc}") from None
 
 
+def check_accumulate(space: Space, family_names: list[str], accumulate: str) -> None:
+    """Every family must build the problem's accumulator type."""
+    cannot = [n for n in family_names if accumulate not in space.family(n).accumulate]
+    if cannot:
+        able = [f.name for f in space.families.values() if accumulate in f.accumulate]
+        raise UserError(f"{accumulate} accumulation: family {', '.join(cannot)} does not build it "
+                        f"(families that do: {', '.join(able) or 'none'})")
+
+
 def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials: int, sampler: str = "tpe",
          storage: str, name: str | None = None, seed: int | None = None, timeout_s: float | None = None,
          pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
          on_progress: Callable[[Progress, TrialRecord | None], None] | None = None,
          recorder: Callable[[EvalRequest, Measurement], None] | None = None,
          warm_start: list[tuple[str, dict[str, Any]]] | None = None,
-         patience: int | None = None) -> optuna.Study:
+         patience: int | None = None, accumulate: str = "fp32") -> optuna.Study:
     """Run (or join, or resume) the study until it holds `trials` measured trials.
+
+    accumulate: fp32 (the default problem) or fp16 accumulation, a different problem with
+    its own study, verification and cuBLAS baseline (fp16 compute).
 
     warm_start: (family, config) pairs tried first in a fresh study (e.g. the winners of
     nearby shapes). patience: stop once the best has not improved for this many trials.
@@ -341,14 +356,15 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     from tuner.storage import Heartbeat, open_storage
 
     families = [space.family(n) for n in family_names]
+    check_accumulate(space, family_names, accumulate)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    name = name or study_name(shape, families, backend.target.arch)
+    name = name or study_name(shape, families, backend.target.arch, accumulate=accumulate)
     backing = open_storage(storage)
     study = open_study(name, backing, make_sampler(sampler, seed, families))
     fresh = not study.get_trials(deepcopy=False)
     for key, value in (("shape", str(shape)), ("families", [f.name for f in families]),
                        ("target", backend.target.to_dict()), ("backend", backend.name),
-                       ("simulated", backend.simulated), ("trials_target", trials),
+                       ("simulated", backend.simulated), ("trials_target", trials), ("accumulate", accumulate),
                        ("template_hashes", {f.name: template_hash(f) for f in families})):
         study.set_user_attr(key, value)
     def fail_stale() -> None:
@@ -425,7 +441,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                         else:
                             study.tell(trial, state=optuna.trial.TrialState.FAIL)
                         continue
-                    p = prepare(fam, config, shape, backend, pool)
+                    p = prepare(fam, config, shape, backend, pool, accumulate)
                     p.trial = trial
                     if p.record.status == "invalid":
                         _tell(study, trial, p.record)

@@ -25,6 +25,9 @@ from tuner.target import Target
 SHAPE_NAMES = ("M", "N", "K")
 TARGET_NAMES = ("max_smem", "max_threads", "sm_count", "cc")
 KNOB_KINDS = ("compile", "runtime")
+# fp32: fp32 accumulators (the default problem); fp16: fp16 accumulators, a different problem
+# compared only with cuBLAS in fp16 compute mode.
+ACCUMULATE = ("fp32", "fp16")
 
 _BINOPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -153,6 +156,8 @@ class Family:
     templates_dir: Path = Path("templates")  # beside the space file that declared the family
     artifact: str = "cubin"          # cubin (device code, 1-D launch from `launch`) | library (host+device .so)
     seeds: list[dict[str, Any]] = field(default_factory=list)  # partial configs a fresh study tries first
+    # Accumulator types the template can build (rendered as ACCUM); the problem picks one.
+    accumulate: tuple[str, ...] = ("fp32",)
 
     @property
     def compile_knobs(self) -> list[Knob]:
@@ -268,13 +273,18 @@ class _Loader:
         keys = ("families", name)
         raw = self.mapping(raw, keys)
         allowed = {"template", "description", "min_arch", "knobs", "derived", "constraints", "launch", "artifact",
-                   "seeds"}
+                   "seeds", "accumulate"}
         extra = set(raw) - allowed
         if extra:
             raise self.fail(keys + (sorted(extra)[0],), f"unknown key; allowed: {', '.join(sorted(allowed))}")
         artifact = raw.get("artifact", "cubin")
         if artifact not in ("cubin", "library"):
             raise self.fail(keys + ("artifact",), f"artifact must be 'cubin' or 'library', got {artifact!r}")
+        accumulate = raw.get("accumulate", ["fp32"])
+        if (not isinstance(accumulate, list) or not accumulate
+                or any(a not in ACCUMULATE for a in accumulate) or len(set(accumulate)) != len(accumulate)):
+            raise self.fail(keys + ("accumulate",),
+                            f"expected a list drawn from {list(ACCUMULATE)}, got {accumulate!r}")
         # A library family's host code sets its own launch; a cubin family must say how to launch it.
         for required in ("template", "knobs") + (("launch",) if artifact == "cubin" else ()):
             if required not in raw:
@@ -334,7 +344,7 @@ class _Loader:
         return Family(name=str(name), template=template_path.name, description=str(raw.get("description", "")),
                       min_arch=int(raw.get("min_arch", 70)), knobs=knobs, derived=derived,
                       constraints=constraints, launch=launch, templates_dir=template_path.parent,
-                      artifact=artifact, seeds=seeds)
+                      artifact=artifact, seeds=seeds, accumulate=tuple(accumulate))
 
     def shapes(self, raw: Any) -> dict[str, list[Shape]]:
         """Named shape lists: MxNxK strings, {grid: {M: [...], N: [...], K: [...]}},

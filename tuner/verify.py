@@ -125,11 +125,14 @@ def accumulate_check(launch: Callable, buf, stream) -> dict[str, Any]:
     return {"ok": True}
 
 
-def full_check(launch: Callable, cublas: Callable, buf, stream) -> dict[str, Any]:
+def full_check(launch: Callable, cublas: Callable, buf, stream, accumulate: str = "fp32") -> dict[str, Any]:
+    """Every check in order; the first failure is the report. With fp16 accumulation
+    `cublas` computes in fp16 (the random bound is then relative to its error) and the
+    accumulate check, which exists to catch fp16 accumulators, is skipped."""
     report: dict[str, Any] = {"ok": True, "checks": []}
     steps = [("exact", lambda: exact_check(launch, buf, stream)),
              ("random", lambda: random_check(launch, cublas, buf, stream))]
-    if buf.K >= 2048:
+    if buf.K >= 2048 and accumulate == "fp32":
         steps.append(("accumulate", lambda: accumulate_check(launch, buf, stream)))
     for name, step in steps:
         result = step()

@@ -121,6 +121,22 @@ def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
     assert rec.tflops and rec.tflops < backend.target.peak_tflops
 
 
+@pytest.mark.parametrize("shape_s", ["333x200x1000", "512x384x4096"])
+def test_cute_sm90_fp16_accumulate_verifies_against_cublas_fp16(space, backend, shape_s):
+    """--accumulate fp16: the kernel passes exact and random checks against cuBLAS's fp16
+    compute (the fp32-accumulation check is skipped) and is timed against it."""
+    from tuner.compile import CompilePool
+
+    fam = space.family("cute_sm90")
+    shape = parse_shape(shape_s)
+    pool = CompilePool(2)
+    rec = finish(prepare(fam, fam.compile_config(fam.defaults()), shape, backend, pool, "fp16"), shape, backend, 60)
+    pool.close()
+    assert rec.status == "ok", rec.reason
+    assert rec.verify["checks"] == ["exact", "random"], rec.verify
+    assert rec.cublas_us and rec.cublas_us > 0
+
+
 def test_render_matches_what_was_measured(space):
     fam = space.family("wmma")
     assert render(fam, fam.defaults(), "sm_90a") == render(fam, fam.defaults(), "sm_90a")

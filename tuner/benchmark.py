@@ -250,21 +250,12 @@ def _cell(value: Any) -> Any:
     return value
 
 
-def write_csv(rows: list[dict], path: Path) -> Path:
+def write_csv(rows: list[dict], fields: list[str], path: Path) -> Path:
     with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=ROW_FIELDS)
+        w = csv.DictWriter(fh, fieldnames=fields)
         w.writeheader()
         for r in rows:
-            w.writerow({k: _cell(r.get(k)) for k in ROW_FIELDS})
-    return path
-
-
-def write_geomean_csv(geo: list[dict], path: Path) -> Path:
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=GEOMEAN_FIELDS)
-        w.writeheader()
-        for g in geo:
-            w.writerow({k: _cell(g.get(k)) for k in GEOMEAN_FIELDS})
+            w.writerow({k: _cell(r.get(k)) for k in fields})
     return path
 
 
@@ -356,8 +347,8 @@ def note_lines(notes: dict[str, dict[str, str]]) -> list[str]:
 def write_outputs(result: dict[str, Any], out: Path, source: str = "") -> list[Path]:
     """bench.csv (one row per kernel and mode), bench_geomean.csv, bench.md, bench.json."""
     out.mkdir(parents=True, exist_ok=True)
-    files = [write_csv(result["rows"], out / "bench.csv"),
-             write_geomean_csv(result["geomeans"], out / "bench_geomean.csv")]
+    files = [write_csv(result["rows"], ROW_FIELDS, out / "bench.csv"),
+             write_csv(result["geomeans"], GEOMEAN_FIELDS, out / "bench_geomean.csv")]
     md = out / "bench.md"
     md.write_text(markdown(result, source))
     js = out / "bench.json"

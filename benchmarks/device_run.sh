@@ -46,6 +46,9 @@ for step in "$@"; do
     workers) timeout 300 python3 -m tuner.cli --shape 2048x2048x2048 --trials 30 --families wmma --workers 2 \
                --storage sqlite:///runs/workers.db 2>&1 | tee "$OUT/workers.log" | grep -v "workers" | tail -8
              python3 benchmarks/failure_table.py sqlite:///runs/workers.db --by gpu | tee -a "$OUT/workers.log" ;;
+    propose) timeout ${PROPOSE_TIMEOUT:-300} python3 benchmarks/propose_demo.py --out "$OUT/propose" \
+               --trials "${PROPOSE_TRIALS:-8}" ${PROPOSE_SHAPES:+--shape $PROPOSE_SHAPES} 2>&1 \
+               | tee "$OUT/propose.log" | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
 done

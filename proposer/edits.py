@@ -9,7 +9,8 @@ Reply format (asked for in the prompt):
     >>>>>>> REPLACE
 
 any number of blocks, or one ```jinja fenced whole template; plus optionally one ```yaml
-block `knobs: {NAME: {values: [...], default: v, kind: compile}}` for new knobs.
+block `knobs: {NAME: {values: [...], default: v, kind: compile}}` for new knobs (or an
+existing compile-time knob redeclared with more values).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 import yaml
 
 _BLOCK = re.compile(r"<<<<<<< SEARCH\n(.*?)\n=======\n(.*?)\n>>>>>>> REPLACE", re.S)
-_FENCE = re.compile(r"```(\w+)?\n(.*?)```", re.S)
+_FENCE = re.compile(r"```([\w+-]*)[ \t]*\n(.*?)```", re.S)
+_TEMPLATE_LANGS = ("jinja", "jinja2", "j2", "cuda", "cu", "cpp", "c++", "")
 
 
 class EditError(ValueError):
@@ -36,6 +38,7 @@ class Proposal:
 
 
 def parse_reply(text: str) -> Proposal:
+    text = text.replace("\r\n", "\n")
     prop = Proposal(edits=[(s, r) for s, r in _BLOCK.findall(text)])
     for lang, body in _FENCE.findall(text):
         if lang in ("yaml", "yml"):
@@ -46,7 +49,9 @@ def parse_reply(text: str) -> Proposal:
             if not isinstance(data, dict) or not isinstance(data.get("knobs", {}), dict):
                 raise EditError("the yaml block must be a mapping with a 'knobs' mapping")
             prop.knobs = data.get("knobs", {}) or {}
-        elif lang in ("jinja", "cuda", "cpp", "c++", "cu") and not prop.edits and "hgemm" in body:
+        elif lang.lower() in _TEMPLATE_LANGS and not prop.edits and "__global__" in body:
+            if prop.whole is not None:
+                raise EditError("the reply holds more than one whole template; send exactly one")
             prop.whole = body
     if not prop.edits and prop.whole is None:
         raise EditError("no SEARCH/REPLACE block and no whole template found in the reply")
@@ -60,7 +65,10 @@ def apply(template: str, prop: Proposal) -> str:
     for i, (search, replace) in enumerate(prop.edits, 1):
         count = out.count(search)
         if count == 0:
-            raise EditError(f"SEARCH block {i} does not match the template exactly:\n{search[:300]}")
+            first = next((ln for ln in search.splitlines() if ln.strip()), "")
+            hint = (" (its first line is in the template: the lines after it differ)" if first and first in out
+                    else "")
+            raise EditError(f"SEARCH block {i} does not match the template exactly{hint}:\n{search[:300]}")
         if count > 1:
             raise EditError(f"SEARCH block {i} matches {count} places; include more context to make it unique")
         out = out.replace(search, replace, 1)

@@ -1,25 +1,34 @@
 """Propose rounds: prompt -> reply -> edits -> sandbox render -> static checks -> nvcc ->
-(on a GPU) verification and a short tune against the parent. Every step is recorded."""
+(on a GPU) verification, a short tune of parent and child and a head-to-head timing.
+Every step is recorded under the proposal's folder (prompt, reply, template, log, outcome)."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from proposer.edits import EditError, apply, parse_reply
 from proposer.validate import render_sandboxed, static_check
-from tuner.compile import DEFAULT_CACHE, compile_source
+from tuner.compile import CompilePool
 from tuner.errors import UserError
-from tuner.shapes import Shape
+from tuner.render import ENTRY
+from tuner.shapes import Shape, parse_shape
 from tuner.space import Family, Knob, Space
 
 SYSTEM = ("You improve CUDA fp16 GEMM kernel templates (Jinja2). Keep the extern \"C\" hgemm entry point and "
-          "its arguments exactly. Reply with SEARCH/REPLACE blocks against the template, and optionally one "
-          "```yaml block `knobs: {NAME: {values: [...], default: v, kind: compile}}` for new knobs.")
+          "its arguments exactly, and keep every M, N, K tail correct. Reply with SEARCH/REPLACE blocks against "
+          "the template (or one ```jinja block holding the whole new template), and optionally one ```yaml block "
+          "`knobs: {NAME: {values: [...], default: v, kind: compile}}` declaring the knobs your template uses.")
+MIN_GAIN = 0.01                    # a child must be this much faster than its parent on every target shape
+TAIL_SHAPE = parse_shape("333x200x1000")  # verified besides the targets: a tail in M, N and K
 
 
 @dataclass
@@ -27,7 +36,7 @@ class Outcome:
     id: str
     round: int
     # accepted | rejected | not_evaluated | bad_reply | bad_edit | render_error | sandbox | static
-    # | compile_error | endpoint_error
+    # | compile_error | verify_error | error | endpoint_error
     status: str
     reason: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -35,34 +44,68 @@ class Outcome:
 
 def build_prompt(fam: Family, template: str, evidence: list[str], feedback: list[str]) -> str:
     knobs = "\n".join(f"- {k.name}: {list(k.values)} (default {k.default}, {k.kind})" for k in fam.knobs.values())
+    derived = "\n".join(f"- {name} = {e.text}" for name, e in fam.derived.items()) or "- none"
+    launch = ", ".join(f"{k} = {e.text}" for k, e in fam.launch.items()) or "set by the library's host code"
     constraints = "\n".join(f"- {c.expr.text}  # {c.why}" for c in fam.constraints)
-    parts = [f"Family {fam.name}: {fam.description}", f"Knobs:\n{knobs}", f"Constraints:\n{constraints}",
+    # The newest failure in full (nvcc's first errors, the verifier's reason), older ones short.
+    last = [f[:1500] if i == len(feedback[-5:]) - 1 else f[:300] for i, f in enumerate(feedback[-5:])]
+    parts = [f"Family {fam.name}: {fam.description}",
+             "Contract: extern \"C\" __global__ void hgemm(const __half* A, const __half* B, __half* C, int M, "
+             "int N, int K, int swizzle_log); C = A * B^T, A M x K, B N x K, C M x N, all row-major fp16, fp32 "
+             "accumulation; every element of C written exactly once, nothing outside it; tails handled in the "
+             f"kernel. Launch (fixed, your knobs cannot change it): {launch}. Device code only: no host code, "
+             "no library calls (cuBLAS, ...), no printf; includes: cute/, cutlass/, cuda_fp16.h, mma.h, cstdint.",
+             f"Knobs (template variables; run-time knobs are kernel arguments):\n{knobs}",
+             f"Derived values:\n{derived}", f"Constraints:\n{constraints}",
              "Results so far:\n" + ("\n".join(evidence) or "- none yet"),
-             "Last attempts and why they failed:\n" + ("\n".join(feedback[-5:]) or "- none"),
+             "Last attempts and why they failed:\n" + ("\n".join(last) or "- none"),
              f"The template:\n```jinja\n{template}\n```",
-             "Propose one new trick (a new knob if it is a choice). Reply with SEARCH/REPLACE blocks."]
+             "Propose one new trick; make it a new compile-time knob (default: the current behaviour) when it is "
+             "a choice. Reply with SEARCH/REPLACE blocks that match the template exactly."]
     return "\n\n".join(parts)
 
 
-def _new_knobs(fam: Family, raw: dict[str, Any]) -> dict[str, Knob]:
+def _new_knobs(fam: Family, raw: dict[str, Any]) -> tuple[dict[str, Knob], dict[str, list[Any]]]:
+    """The child's knobs, and per new or extended knob the values the parent does not have."""
     knobs = dict(fam.knobs)
+    new: dict[str, list[Any]] = {}
     for name, spec in raw.items():
         if not (isinstance(name, str) and name.isidentifier() and name.isupper()):
             raise EditError(f"knob name {name!r} must be an UPPER_CASE identifier")
         if not isinstance(spec, dict) or not isinstance(spec.get("values"), list) or not spec["values"]:
             raise EditError(f"knob {name}: needs a non-empty 'values' list")
-        if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in spec["values"]):
+        values = spec["values"]
+        if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in values):
             raise EditError(f"knob {name}: values must be integers or strings")
-        default = spec.get("default", spec["values"][0])
-        if default not in spec["values"]:
+        if len(set(map(repr, values))) != len(values):
+            raise EditError(f"knob {name}: duplicate values")
+        if spec.get("kind", "compile") != "compile":
+            raise EditError(f"knob {name}: only compile-time knobs can be added (the entry point is fixed)")
+        default = spec.get("default", values[0])
+        if default not in values:
             raise EditError(f"knob {name}: default {default!r} not among its values")
-        knobs[name] = Knob(name, tuple(spec["values"]), default, "compile")
-    return knobs
+        old = fam.knobs.get(name)
+        if old is not None:
+            # Redeclaring a knob may only add values: every parent config stays a child config.
+            if old.kind != "compile" or not set(old.values) <= set(values):
+                raise EditError(f"knob {name} exists ({old.kind}, {list(old.values)}): a redeclaration must be "
+                                "a compile-time knob keeping all of its values")
+            added = [v for v in values if v not in old.values]
+        else:
+            added = [v for v in values if v != default]
+        knobs[name] = Knob(name, tuple(values), default, "compile")
+        if added:
+            new[name] = added
+    return knobs, new
 
 
 def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds: int, candidates: int,
                out_dir: Path, backend=None, arch: str = "sm_90a", trials: int = 12, storage: str | None = None,
-               evidence: list[str] | None = None) -> list[Outcome]:
+               evidence: list[str] | None = None, versions_dir: Path | None = None,
+               log: Callable[[str], None] | None = None) -> list[Outcome]:
+    """Ask, validate and (with a backend) evaluate `rounds` x `candidates` proposals against the
+    family's template. An accepted child is written to `versions_dir` (default: the family's
+    templates folder) as a new family version with its lineage."""
     fam = space.family(family)
     parent = (fam.templates_dir / fam.template).read_text()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -73,86 +116,261 @@ def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds
             pid = f"{family}-{stamp}-r{r}c{c}"
             folder = out_dir / pid
             folder.mkdir(parents=True, exist_ok=True)
+            say = _logger(folder, pid, log)
             prompt = build_prompt(fam, parent, evidence or [], feedback)
             (folder / "prompt.txt").write_text(prompt)
+            say(f"round {r} candidate {c}: asking {getattr(client, 'model', '?')} ({len(prompt)} prompt chars)")
             try:
                 reply = client.chat(SYSTEM, prompt)
             except UserError as exc:
                 outcome = Outcome(pid, r, "endpoint_error", str(exc))
-                _save(folder, outcome)
+                _save(folder, outcome, say)
                 outcomes.append(outcome)
                 return outcomes  # no endpoint: nothing more to ask this run
             (folder / "reply.txt").write_text(reply)
-            outcome = _evaluate(space, fam, parent, reply, pid, r, folder, shapes, backend, arch, trials, storage)
-            _save(folder, outcome)
+            ctx = _Ctx(space, fam, parent, pid, r, folder, shapes, backend, arch, trials, storage, say,
+                       versions_dir or fam.templates_dir, prompt, reply)
+            outcome = _evaluate(ctx)
+            _save(folder, outcome, say)
             outcomes.append(outcome)
-            feedback.append(f"- attempt {pid}: {outcome.status}: {outcome.reason[:400]}")
+            feedback.append(f"- attempt {pid}: {outcome.status}: {outcome.reason}")
     return outcomes
 
 
-def _evaluate(space, fam, parent, reply, pid, r, folder, shapes, backend, arch, trials, storage) -> Outcome:
-    try:
-        prop = parse_reply(reply)
-    except EditError as exc:
-        return Outcome(pid, r, "bad_reply", str(exc))
-    try:
-        template = apply(parent, prop)
-        knobs = _new_knobs(fam, prop.knobs)
-    except EditError as exc:
-        return Outcome(pid, r, "bad_edit", str(exc))
-    (folder / fam.template).write_text(template)
-    defaults = {k.name: k.default for k in knobs.values() if k.kind == "compile"}
-    try:
-        source = render_sandboxed(template, {"family": fam.name, "entry": "hgemm", "arch": arch, **defaults})
-    except ValueError as exc:
-        status = "sandbox" if "sandbox" in str(exc) else "render_error"
-        return Outcome(pid, r, status, str(exc))
-    (folder / "kernel.cu").write_text(source)
-    why = static_check(source)
-    if why:
-        return Outcome(pid, r, "static", why)
-    res = compile_source(source, arch, cache_dir=DEFAULT_CACHE)
-    if not res.ok:
-        return Outcome(pid, r, "compile_error", res.error or "nvcc failed")
-    metrics: dict[str, Any] = {"registers": res.registers, "spill_bytes": res.spill_bytes, "compile_s": res.seconds}
-    if backend is None:
-        return Outcome(pid, r, "not_evaluated", "not evaluated: no GPU (compiled fine)", metrics)
-    return _tune_against_parent(space, fam, knobs, folder, pid, r, shapes, backend, trials, storage, metrics)
+@dataclass
+class _Ctx:
+    space: Space
+    fam: Family
+    parent: str
+    pid: str
+    round: int
+    folder: Path
+    shapes: list[Shape]
+    backend: Any
+    arch: str
+    trials: int
+    storage: str | None
+    say: Callable[[str], None]
+    versions_dir: Path
+    prompt: str
+    reply: str
+
+    def out(self, status: str, reason: str, metrics: dict[str, Any] | None = None) -> Outcome:
+        return Outcome(self.pid, self.round, status, reason, metrics or {})
 
 
-def _tune_against_parent(space, fam, knobs, folder, pid, r, shapes, backend, trials, storage, metrics) -> Outcome:
-    from tuner.compile import CompilePool
+def _logger(folder: Path, pid: str, log: Callable[[str], None] | None) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        with open(folder / "log.txt", "a") as f:
+            f.write(line + "\n")
+        if log:
+            log(f"[{pid}] {line}")
+    return say
+
+
+def _evaluate(ctx: _Ctx) -> Outcome:
+    fam, say = ctx.fam, ctx.say
+    try:
+        prop = parse_reply(ctx.reply)
+    except EditError as exc:
+        return ctx.out("bad_reply", str(exc))
+    try:
+        template = apply(ctx.parent, prop)
+        knobs, new = _new_knobs(fam, prop.knobs)
+    except EditError as exc:
+        return ctx.out("bad_edit", str(exc))
+    (ctx.folder / fam.template).write_text(template)
+    what = "a whole template" if prop.whole is not None else f"{len(prop.edits)} SEARCH/REPLACE block(s)"
+    say(f"reply: {what} applied; new knob values {new or 'none'}")
+    child = dataclasses.replace(fam, name=f"{fam.name}_{ctx.pid.split('-', 1)[1].replace('-', '_')}",
+                                knobs=knobs, templates_dir=ctx.folder)
+    # The default config, then each new knob value on top of it: all must render, pass and compile.
+    configs = [child.defaults()] + [child.defaults() | {k: v} for k, vs in new.items() for v in vs]
+    sources = []
+    for cfg in configs:
+        # The variables tuner.render passes (fp32 accumulation: the problem proposals are judged on).
+        params = {"family": child.name, "entry": ENTRY, "arch": ctx.arch, "ACCUM": "fp32",
+                  **child.compile_config(cfg)}
+        try:
+            source = render_sandboxed(template, params)
+        except ValueError as exc:
+            status = "sandbox" if "sandbox" in str(exc) else "render_error"
+            return ctx.out(status, f"{_changed(child, cfg)}: {exc}")
+        why = static_check(source)
+        if why:
+            return ctx.out("static", f"{_changed(child, cfg)}: {why}")
+        sources.append(source)
+    (ctx.folder / "kernel.cu").write_text(sources[0])
+    say(f"sandbox render and static checks: {len(sources)} config(s) ok")
+    pool = CompilePool(min(len(sources), 16) if ctx.backend is None else None)
+    try:
+        results = [f.result() for f in [pool.submit(s, ctx.arch, fam.artifact) for s in sources]]
+        for cfg, res in zip(configs, results, strict=True):
+            if not res.ok:
+                return ctx.out("compile_error", f"{_changed(child, cfg)}: {res.error or 'nvcc failed'}")
+        metrics: dict[str, Any] = {"compiled": [{"config": _changed(child, cfg), "registers": res.registers,
+                                                 "spill_bytes": res.spill_bytes, "compile_s": round(res.seconds, 1)}
+                                                for cfg, res in zip(configs, results, strict=True)]}
+        say(f"nvcc {ctx.arch}: " + "; ".join(f"{m['config']}: {m['registers']} registers, {m['spill_bytes']} B "
+                                              f"spilled, {m['compile_s']} s" for m in metrics["compiled"]))
+        if ctx.backend is None:
+            return ctx.out("not_evaluated", f"not evaluated: no GPU (rendered, checked and compiled "
+                                            f"{len(sources)} config(s) for {ctx.arch})", metrics)
+        try:
+            failed = _verify(ctx, child, configs, pool)
+            if failed:
+                return ctx.out("verify_error", failed, metrics)
+            return _tune_against_parent(ctx, child, new, template, pool, metrics)
+        except UserError as exc:
+            return ctx.out("error", str(exc), metrics)
+    finally:
+        pool.close()
+
+
+def _changed(fam: Family, cfg: dict[str, Any]) -> str:
+    """A config named by what differs from the family's defaults ('defaults' if nothing)."""
+    diff = {k: v for k, v in cfg.items() if k not in fam.knobs or fam.knobs[k].default != v}
+    return ", ".join(f"{k}={v}" for k, v in diff.items()) or "defaults"
+
+
+def _verify(ctx: _Ctx, child: Family, configs: list[dict[str, Any]], pool: CompilePool) -> str | None:
+    """The pipeline's full verification (exact, random, accumulate, NaN poison, guard bands; every
+    run-time variant) of each validated config on every target shape and a tail shape."""
+    from tuner.search import finish, prepare
+
+    for shape in [*ctx.shapes, TAIL_SHAPE]:
+        for cfg in configs:
+            p = prepare(child, child.compile_config(cfg), shape, ctx.backend, pool)
+            if p.record.status == "invalid":
+                continue  # outside the family's constraints for this shape
+            rec = finish(p, shape, ctx.backend, 60.0)
+            ctx.say(f"verify {shape} {_changed(child, cfg)}: {rec.status}"
+                    + (f" ({rec.kind}: {(rec.reason or '')[:200]})" if rec.status != "ok" else ""))
+            if rec.status != "ok":
+                return (f"{shape} {_changed(child, cfg)}: {rec.status}/{rec.kind}: {rec.reason}")
+    return None
+
+
+def _tune_against_parent(ctx: _Ctx, child: Family, new: dict[str, list[Any]], template: str, pool: CompilePool,
+                         metrics: dict[str, Any]) -> Outcome:
     from tuner.export import best_trial
     from tuner.search import tune
 
-    child = dataclasses.replace(fam, name=f"{fam.name}_{pid.split('-', 1)[1]}", knobs=knobs, templates_dir=folder)
-    trial_space = Space(space.path, {fam.name: fam, child.name: child}, {})
-    storage = storage or f"sqlite:///{folder}/study.db"
-    pool = CompilePool()
+    fam, backend = ctx.fam, ctx.backend
+    trial_space = Space(ctx.space.path, {fam.name: fam, child.name: child}, {})
+    storage = ctx.storage or f"sqlite:///{ctx.folder}/study.db"
     wins, rows = 0, []
-    try:
-        for shape in shapes:
-            best = {}
-            for f in (fam.name, child.name):
-                st = tune(trial_space, [f], shape, backend, trials=trials, storage=storage, pool=pool)
-                b = best_trial(st)
-                best[f] = b.value if b else None
-            rows.append({"shape": str(shape), "parent_us": best[fam.name], "child_us": best[child.name]})
-            if best[child.name] is not None and (best[fam.name] is None or best[child.name] < best[fam.name]):
-                wins += 1
-    finally:
-        pool.close()
+    for shape in ctx.shapes:
+        pst = tune(trial_space, [fam.name], shape, backend, trials=ctx.trials, storage=storage, pool=pool)
+        pbest = best_trial(pst)
+        # The child starts from the parent's best config with each new knob value, then searches.
+        base = pbest.user_attrs["config"] if pbest else fam.compile_config(fam.defaults())
+        warm = [(child.name, base | {k: v}) for k, vs in new.items() for v in vs]
+        cst = tune(trial_space, [child.name], shape, backend, trials=ctx.trials, storage=storage, pool=pool,
+                   warm_start=warm)
+        cbest = best_trial(cst)
+        row: dict[str, Any] = {"shape": str(shape), "parent_config": pbest and pbest.user_attrs["config"],
+                               "child_config": cbest and cbest.user_attrs["config"],
+                               "parent_tune_us": pbest and pbest.value, "child_tune_us": cbest and cbest.value}
+        ctx.say(f"tune {shape} ({ctx.trials} trials each): parent best {_us(row['parent_tune_us'])} "
+                f"{json.dumps(row['parent_config'])}; child best {_us(row['child_tune_us'])} "
+                f"{json.dumps(row['child_config'])}")
+        rows.append(row)
+        if cbest is None:
+            continue
+        if pbest is None:
+            wins += 1
+            continue
+        times, why = _head_to_head(ctx, {"parent": (fam, pbest), "child": (child, cbest)}, shape, pool)
+        if times is None:
+            row["head_to_head"] = why
+            ctx.say(f"head-to-head {shape}: {why}")
+            continue
+        p_us, c_us, cublas = times["parent"], times["child"], times.get("cublas")
+        roof = backend.target.roofline_us(shape.flops, shape.min_bytes)
+        row.update(parent_us=p_us, child_us=c_us, cublas_us=cublas, gain=p_us / c_us - 1,
+                   child_tflops=shape.tflops(c_us), child_roofline_fraction=roof / c_us,
+                   child_vs_cublas=cublas / c_us if cublas else None)
+        ctx.say(f"head-to-head {shape} (one run, interleaved CUDA graphs): parent {p_us:.2f} us, child {c_us:.2f} us "
+                f"({100 * row['gain']:+.1f}%, {row['child_tflops']:.1f} TFLOP/s, "
+                f"{100 * row['child_roofline_fraction']:.1f}% of roofline)"
+                + (f", cuBLAS {cublas:.2f} us (child {row['child_vs_cublas']:.3f}x)" if cublas else ""))
+        if c_us < p_us * (1 - MIN_GAIN):
+            wins += 1
     metrics["shapes"] = rows
-    if wins == len(shapes):
-        lineage = {"parent": fam.name, "child": child.name, "template": str(folder / fam.template),
-                   "knobs": {k.name: list(k.values) for k in knobs.values()}, "metrics": metrics}
-        (folder / "lineage.json").write_text(json.dumps(lineage, indent=2))
-        return Outcome(pid, r, "accepted", f"beats {fam.name} on all {len(shapes)} shapes", metrics)
-    return Outcome(pid, r, "rejected", f"beats {fam.name} on {wins} of {len(shapes)} shapes", metrics)
+    summary = "; ".join(f"{r['shape']}: parent {_us(r.get('parent_us', r['parent_tune_us']))}, child "
+                        f"{_us(r.get('child_us', r['child_tune_us']))}" for r in rows)
+    if wins < len(ctx.shapes):
+        return ctx.out("rejected", f"beats {fam.name} by >= {100 * MIN_GAIN:.0f}% on {wins} of {len(ctx.shapes)} "
+                                   f"shapes ({summary})", metrics)
+    name = _publish(ctx, child, new, template, metrics)
+    return ctx.out("accepted", f"beats {fam.name} on all {len(ctx.shapes)} shapes ({summary}); new family version "
+                               f"{name} in {ctx.versions_dir}", metrics)
 
 
-def _save(folder: Path, outcome: Outcome) -> None:
-    (folder / "outcome.json").write_text(json.dumps(dataclasses.asdict(outcome), indent=2))
+def _us(value: float | None) -> str:
+    return f"{value:.2f} us" if value is not None else "none verified"
+
+
+def _head_to_head(ctx: _Ctx, contenders: dict[str, tuple[Family, Any]], shape: Shape, pool: CompilePool):
+    """Times of the parent's and the child's best, verified again and timed interleaved with cuBLAS
+    in one worker run (a backend without `compare` answers with the tuning times)."""
+    from tuner.render import render
+    from tuner.search import launch_spec
+
+    backend = ctx.backend
+    if not hasattr(backend, "compare"):
+        return {name: t.value for name, (_, t) in contenders.items()}, None
+    cands = {}
+    for name, (f, t) in contenders.items():
+        full = f.complete(t.user_attrs["config"] | t.user_attrs.get("variant", {}))
+        cubin = None
+        if backend.needs_cubin:
+            res = pool.submit(render(f, full, backend.target.arch), backend.target.arch, f.artifact).result()
+            cubin = res.cubin
+        cands[name] = {"cubin": cubin, "variant": t.user_attrs.get("variant", {}),
+                       "launch": launch_spec(f, full, shape, backend.target)}
+    reply = backend.compare(shape, cands, torch=False)
+    if reply.get("status") != "ok":
+        return None, f"head-to-head failed: {reply.get('reason')}"
+    bad = {n: v.get("reason") for n, v in reply.get("verify", {}).items() if not v.get("ok")}
+    if bad or any(n not in reply["times"] for n in cands):
+        return None, f"head-to-head: not verified or not timed: {bad}"
+    return reply["times"], None
+
+
+def _publish(ctx: _Ctx, child: Family, new: dict[str, list[Any]], template: str, metrics: dict[str, Any]) -> str:
+    """Write the accepted child as a family version: templates/<root>_vN.cu.j2, a space file
+    declaring it (`hgemm-tune --space templates/<root>_vN.yaml ...`) and its lineage record."""
+    fam, out = ctx.fam, ctx.versions_dir
+    out.mkdir(parents=True, exist_ok=True)
+    root = re.sub(r"_v\d+$", "", fam.name)
+    n = 2
+    while (out / f"{root}_v{n}.cu.j2").exists():
+        n += 1
+    name = f"{root}_v{n}"
+    (out / f"{name}.cu.j2").write_text(template)
+    raw = yaml.safe_load(ctx.space.path.read_text())["families"][fam.name]
+    raw = dict(raw, template=f"../{name}.cu.j2",  # load_space looks in <space dir>/templates/
+               description=f"{fam.description} [version {n}: proposal {ctx.pid}]")
+    raw["knobs"] = {k.name: {"values": list(k.values), "default": k.default, "kind": k.kind}
+                    for k in child.knobs.values()}
+    (out / f"{name}.yaml").write_text(f"# Family version {name}, accepted from proposal {ctx.pid} "
+                                      f"(parent {fam.name}); see {name}.lineage.json.\n"
+                                      + yaml.safe_dump({"version": 1, "families": {name: raw}}, sort_keys=False,
+                                                     default_flow_style=None, width=120))
+    metrics["version"] = name
+    lineage = {"family": name, "parent": fam.name, "parent_template": str(fam.templates_dir / fam.template),
+               "proposal": ctx.pid, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "template": f"{name}.cu.j2", "space": f"{name}.yaml", "new_knob_values": new,
+               "prompt": ctx.prompt, "reply": ctx.reply, "metrics": metrics}
+    (out / f"{name}.lineage.json").write_text(json.dumps(lineage, indent=2, default=str))
+    return name
+
+
+def _save(folder: Path, outcome: Outcome, say: Callable[[str], None]) -> None:
+    say(f"outcome: {outcome.status}: {outcome.reason[:600]}")
+    (folder / "outcome.json").write_text(json.dumps(dataclasses.asdict(outcome), indent=2, default=str))
 
 
 def list_proposals(out_dir: Path) -> list[dict[str, Any]]:

@@ -705,6 +705,8 @@ def propose(
                                                       "(read only)."),
     space_file: Path = SpaceOpt,
     out: Path = typer.Option(Path("runs/proposals"), help="Where prompts, replies and outcomes are kept."),
+    versions_dir: Path | None = typer.Option(None, help="Where an accepted child is written as a family version "
+                                                        "(default: the family's templates folder)."),
 ) -> None:
     """Ask an LLM for a template improvement, validate it, and keep it only if it wins."""
     from rich.markup import escape
@@ -732,7 +734,8 @@ def propose(
     try:
         outcomes = run_rounds(space, family, shapes, client, rounds=rounds, candidates=candidates, out_dir=out,
                               backend=be, arch=target_arch, trials=trials, evidence=evidence,
-                              log=lambda line: console.print(line, markup=False, highlight=False))
+                              versions_dir=versions_dir,
+                              log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     finally:
         if be:
             be.close()

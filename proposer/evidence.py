@@ -1,0 +1,80 @@
+"""What a prompt tells the model about a family's record, read (never written) from a study
+storage: its best results with TFLOP/s and fraction of the roofline, its biggest losses to
+cuBLAS, and its latest compile and verification errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from tuner.errors import UserError
+from tuner.shapes import Shape
+
+# Trial kinds that mean "compiled, ran, and was wrong or crashed" (see tuner.verify / gpu_worker).
+FAILURE_KINDS = ("wrong", "unwritten", "out_of_bounds", "accumulate", "fault", "hang", "impossible", "compile")
+
+
+def _config(cfg: dict[str, Any]) -> str:
+    return json.dumps(cfg, separators=(",", ":"))
+
+
+def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: int = 6) -> list[str]:
+    """Prompt sections (each a few lines) about `family`; empty when the storage holds nothing on it."""
+    from tuner.export import entry, load_studies
+
+    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
+        return []  # opening a missing SQLite file would create it: nothing was measured there
+    try:
+        studies = load_studies(storage)
+    except UserError:
+        return []
+    best: dict[str, dict[str, Any]] = {}
+    errors: list[tuple[Any, str, dict[str, Any]]] = []
+    for st in studies:
+        if family not in st.user_attrs.get("families", []) or st.user_attrs.get("accumulate", "fp32") != "fp32":
+            continue  # another family, or fp16 accumulation (another problem)
+        trials = [t for t in st.get_trials(deepcopy=False)
+                  if t.state.is_finished() and t.user_attrs.get("family") == family]
+        ok = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("status") == "ok"]
+        if ok:
+            try:
+                e = entry(st, min(ok, key=lambda t: t.value))
+            except (KeyError, TypeError, UserError):
+                continue  # a study from an older tool version: skip it rather than guess
+            if e["shape"] not in best or e["time_us"] < best[e["shape"]]["time_us"]:
+                best[e["shape"]] = e
+        for t in trials:
+            a = t.user_attrs
+            if a.get("status") == "compile_error" or a.get("kind") in FAILURE_KINDS:
+                errors.append((t.datetime_complete, st.user_attrs.get("shape", "?"), a))
+    sections = []
+    targets = [str(s) for s in shapes or []]
+    rows = sorted(best.values(), key=lambda e: (e["shape"] not in targets, -e["roofline_fraction"]))[:limit]
+    if rows:
+        lines = [f"Best measured results of {family} per shape (time, TFLOP/s, fraction of the roofline, "
+                 "cuBLAS timed in the same run):"]
+        for e in rows:
+            cublas = e["baselines_us"].get("cublas")
+            vs = f"; cuBLAS {cublas:.2f} us -> {cublas / e['time_us']:.3f}x" if cublas else ""
+            sim = " (replayed measurement)" if e["simulated"] else ""
+            lines.append(f"- {e['shape']}: {e['time_us']:.2f} us, {e['tflops']:.1f} TFLOP/s, "
+                         f"{100 * e['roofline_fraction']:.1f}% of roofline{vs}{sim}; config {_config(e['knobs'])}")
+        sections.append("\n".join(lines))
+    losses = sorted((e for e in best.values() if e["speedup"].get("cublas")), key=lambda e: e["speedup"]["cublas"])
+    if losses:
+        lines = ["Biggest losses to cuBLAS (our time / cuBLAS time, worst first):"]
+        for e in losses[:limit]:
+            lines.append(f"- {e['shape']}: {e['speedup']['cublas']:.3f}x of cuBLAS speed ({e['time_us']:.2f} us vs "
+                         f"{e['baselines_us']['cublas']:.2f} us); config {_config(e['knobs'])}")
+        sections.append("\n".join(lines))
+    if errors:
+        errors.sort(key=lambda x: x[0].timestamp() if x[0] else 0.0, reverse=True)
+        lines = ["Latest compile and verification errors of its configs:"]
+        for _, shape, a in errors[:3]:
+            lines.append(f"- {shape} {_config(a.get('config', {}))}: {a.get('status')}/{a.get('kind')}: "
+                         f"{(a.get('reason') or '')[:400]}")
+        sections.append("\n".join(lines))
+    return sections

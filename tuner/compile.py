@@ -87,7 +87,11 @@ def nvcc_flags(arch: str, artifact: str = "cubin") -> list[str]:
     # -gencode with code=sm_XX only: one device pass, no embedded PTX (see DESIGN.md).
     virtual = "compute_" + arch.removeprefix("sm_")
     # A library links the CUDA runtime statically: it loads in any process, whatever cudart it has.
-    kind = ["-cubin"] if artifact == "cubin" else ["-shared", "-Xcompiler=-fPIC", "-cudart=static"]
+    # Its host pass is gcc parsing ~11 MB of CUTLASS: a larger garbage-collector heap (about
+    # +140 MB per job) saves ~0.5 s of gcc's ~6 s and leaves the object file byte-identical.
+    kind = ["-cubin"] if artifact == "cubin" else [
+        "-shared", "-Xcompiler=-fPIC", "-cudart=static",
+        "-Xcompiler=--param=ggc-min-expand=100,--param=ggc-min-heapsize=1048576"]
     return [*kind, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
             f"-gencode=arch={virtual},code={arch}", "-Xptxas=-v", f"-I{cutlass_include()}"]
 

@@ -18,7 +18,7 @@ for step in "$@"; do
     benchq) timeout 120 python3 benchmarks/bench_families.py --out "$OUT" --trials 0 --shapes 4096x4096x8192 \
               --families cute_sm90 2>&1 | tee "$OUT/benchq.log" | tail -8 ;;
     tune200) timeout 570 python3 -m tuner.cli --shape 4096x4096x8192 --trials 200 --seed 0 --timeout "${TUNE_TIMEOUT:-330}" \
-               --record "$OUT/replay_tune200.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
+               --storage sqlite:///runs/tune200.db --record "$OUT/replay_tune200.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
                | tee "$OUT/tune200.log" | grep -v "tuning" | tail -14 ;;
     bench90) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --time-per-family "${BENCH_TUNE_S:-40}" --trials 200 ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 \
@@ -52,7 +52,7 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
-cp runs/hgemm.db "$OUT/" 2>/dev/null
+cp runs/hgemm.db runs/tune200.db runs/sweep27.db "$OUT/" 2>/dev/null
 # The device tool brings back at most 8 files: pack everything into one archive.
 tar czf /tmp/device_results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/device_results.tgz "$OUT/"
 echo "=== done $(date +%T)"

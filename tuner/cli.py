@@ -170,6 +170,20 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
                             eval_timeout_s=hang_timeout_s(baselines["cublas"]), accumulate=accumulate)
 
 
+def _measured_so_far(name: str, storage: str) -> int:
+    """Measured trials a study already holds (0 when it does not exist yet): a resumed run's
+    trials per minute count only what this run measured."""
+    import optuna
+
+    from tuner.search import measured_trials
+    from tuner.storage import open_storage
+
+    backing = open_storage(storage)
+    if name not in optuna.get_all_study_names(backing):
+        return 0
+    return measured_trials(optuna.load_study(study_name=name, storage=backing))
+
+
 def _gpu_count() -> int:
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
@@ -250,6 +264,7 @@ def tune(
     name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=accumulate)
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
+    before = _measured_so_far(name, storage)
     started = time.perf_counter()
     common = dict(sampler=sampler, storage=storage, name=name, seed=seed, timeout=timeout, jobs=jobs,
                   accumulate=accumulate)
@@ -270,7 +285,8 @@ def tune(
     if output:
         write_json(data, output)
     n = measured_trials(st)
-    rate = f" ({60 * n / elapsed:.1f} trials/min)" if n and workers > 1 else ""
+    new = n - before
+    rate = f" ({new} this run, {60 * new / elapsed:.1f} trials/min)" if new > 0 and elapsed > 0 else ""
     console.print(f"{elapsed:.0f} s this run; study holds {n} measured trials{rate}; "
                   f"best config JSON: {path}" + (f" and {output}" if output else ""))
     if n < trials and not timeout:

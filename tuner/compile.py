@@ -98,7 +98,10 @@ def nvcc_flags(arch: str, artifact: str = "cubin") -> list[str]:
 
 def cache_key(source: str, arch: str, artifact: str = "cubin") -> str:
     h = hashlib.sha256()
-    for part in (source, " ".join(nvcc_flags(arch, artifact)), nvcc_version(), cutlass_version()):
+    # The CUTLASS include path is left out (its version is in): a cache built in one venv
+    # or machine is valid in another with the same nvcc and CUTLASS.
+    flags = [f for f in nvcc_flags(arch, artifact) if not f.startswith("-I")]
+    for part in (source, " ".join(flags), nvcc_version(), cutlass_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]

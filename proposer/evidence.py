@@ -65,7 +65,7 @@ def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: 
         sections.append("\n".join(lines))
     losses = sorted((e for e in best.values() if e["speedup"].get("cublas")), key=lambda e: e["speedup"]["cublas"])
     if losses:
-        lines = ["Biggest losses to cuBLAS (our time / cuBLAS time, worst first):"]
+        lines = ["Biggest losses to cuBLAS (speedup = cuBLAS time / our time, below 1 = slower; worst first):"]
         for e in losses[:limit]:
             lines.append(f"- {e['shape']}: {e['speedup']['cublas']:.3f}x of cuBLAS speed ({e['time_us']:.2f} us vs "
                          f"{e['baselines_us']['cublas']:.2f} us); config {_config(e['knobs'])}")

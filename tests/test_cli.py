@@ -95,3 +95,24 @@ def test_fp16_accumulate_is_its_own_problem_in_replay(tmp_path):
               "--storage", f"sqlite:///{tmp_path}/a.db", "--accumulate", "fp16", "--families", "cute_sm90",
               "--arch", "sm_90a", "--space", str(ROOT / "space.yaml"), cwd=tmp_path)
     assert res.returncode == 2 and "no baseline for shape 4096x4096x8192 with fp16 accumulation" in res.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--families", ","], "--families ',' names no family"),
+    (["--families", "cute_sm90", "--arch", "sm_80"], "family cute_sm90 needs a newer GPU than sm_80"),
+    (["--sampler", "grid"], "--sampler grid searches one family at a time"),
+])
+def test_family_and_sampler_choices_fail_cleanly(args, needle, tmp_path):
+    replay = ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl"
+    res = run("--shape", "4096x4096x8192", "--trials", "2", "--backend", "replay", "--replay", str(replay),
+              "--storage", f"sqlite:///{tmp_path}/a.db", "--space", str(ROOT / "space.yaml"), *args, cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert needle in " ".join(res.stderr.split()), res.stderr
+
+
+def test_report_on_a_database_path_says_how_to_pass_it(tmp_path):
+    db = tmp_path / "hgemm.db"
+    db.write_bytes(b"SQLite format 3\x00\xff\xfe\x00binary")
+    res = run("report", str(db), "--out", str(tmp_path / "rep"), cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"pass it as sqlite:///{db}" in " ".join(res.stderr.split()), res.stderr

@@ -3,8 +3,8 @@
 __version__ = "0.1.0"
 
 
-def load(path, space_file=None):
-    """`gemm = load("best.json"); C = gemm(A, B)`: run exported kernels (see tuner.loader)."""
-    from tuner.loader import DEFAULT_SPACE, Gemm
+def load(path, space_file=None, accumulate="fp32"):
+    """`gemm = load("best.json"); C = gemm(A, B)`: run exported kernels (see tuner.loader.load)."""
+    from tuner import loader
 
-    return Gemm(path, space_file or DEFAULT_SPACE)
+    return loader.load(path, space_file or loader.DEFAULT_SPACE, accumulate)

@@ -75,14 +75,22 @@ def _make_backend(backend: str, replay: Path | None, arch: str, gpu: int | None,
 def _families_for(space, names: str | None, target, backend=None, accumulate: str = "fp32") -> list[str]:
     from tuner.search import check_accumulate
 
-    if names:
+    if names is not None:
         chosen = [n.strip() for n in names.split(",") if n.strip()]
+        if not chosen:
+            raise UserError(f"--families {names!r} names no family; families: {', '.join(space.families)}")
         check_accumulate(space, chosen, accumulate)  # also: every name is a family
+        too_new = [n for n in chosen if target.cc < space.family(n).min_arch]
+        if too_new:
+            raise UserError(f"family {', '.join(too_new)} needs a newer GPU than {target.arch}")
         return chosen
     fams = [f.name for f in space.families.values() if target.cc >= f.min_arch and accumulate in f.accumulate]
     recorded = getattr(backend, "families", None)
     if recorded is not None:  # a replay file can only answer for the families it recorded
         fams = [f for f in fams if f in recorded]
+    if not fams:
+        raise UserError(f"no family of the space builds {accumulate} accumulation on {target.arch}"
+                        + (" with measurements in the replay file" if recorded is not None else ""))
     return fams
 
 
@@ -151,7 +159,7 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
 
     with _measuring(be, jobs, "run the same command to resume.") as pool:
         baselines = be.baseline(shp, accumulate)
-        if record:
+        if record and not be.simulated:  # a replayed baseline is not a measurement
             record_baseline(record, shp, baselines, accumulate)
         acc = "" if accumulate == "fp32" else f" ({accumulate} compute)"
         console.print(f"{shp}: {shp.flops / 1e9:.1f} GFLOP; cuBLAS{acc} {baselines['cublas']:.2f} us "
@@ -369,7 +377,8 @@ def sweep(
     trials_per_shape: int = typer.Option(30, help="Measured trials per shape (resumes up to this)."),
     time_per_shape: float | None = typer.Option(None, help="Seconds of search per shape at most."),
     budget: float | None = typer.Option(None, help="Seconds for the whole sweep; unfinished shapes resume later."),
-    patience: int | None = typer.Option(15, help="Stop a shape after this many trials without a new best."),
+    patience: int = typer.Option(15, min=0, help="Stop a shape after this many trials without a new best "
+                                                 "(0: never, run every shape to --trials-per-shape)."),
     families: str | None = typer.Option(None, "--families", "-f", help="Comma list (default: all for this GPU)."),
     sampler: str = typer.Option("tpe", help="tpe | random | gp | cmaes | grid."),
     storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage holding one study per shape."),
@@ -434,9 +443,9 @@ def sweep(
 
             st = run_tune(space, fams, shp, be, trials=trials_per_shape, sampler=sampler, storage=storage,
                           name=name, seed=seed, timeout_s=limit, pool=pool, on_progress=on_progress,
-                          warm_start=_nearest_winners(storage, shp, fams), patience=patience,
+                          warm_start=_nearest_winners(storage, shp, fams), patience=patience or None,
                           eval_timeout_s=hang_timeout_s(baselines["cublas"]), accumulate=accumulate)
-            if not (deadline and time.perf_counter() >= deadline):
+            if measured_trials(st) and not (deadline and time.perf_counter() >= deadline):
                 # Stopped by its count, patience or its own time box: done at this trial budget.
                 st.set_user_attr("sweep_done_trials", trials_per_shape)
             done_studies.append(st)
@@ -520,17 +529,24 @@ def show(
 
     studies = load_studies(storage, [study] if study else None)
     if shape and not study:
-        studies = [s for s in studies if s.user_attrs.get("shape") == shape]
+        from tuner.shapes import parse_shape
+
+        want = str(parse_shape(shape))
+        studies = [s for s in studies if s.user_attrs.get("shape") == want]
     if len(studies) != 1:
         names = ", ".join(s.study_name for s in studies) or "none"
         raise UserError(f"pick one study with --study (matching: {names})")
     st = studies[0]
+    if trial is not None and not 0 <= trial < len(st.trials):
+        raise UserError(f"study {st.study_name} has no trial {trial} (it has 0..{len(st.trials) - 1})")
     t = st.trials[trial] if trial is not None else best_trial(st)
-    if t is None or trial is not None and not 0 <= trial < len(st.trials):
-        raise UserError(f"study {st.study_name} has no such trial")
+    if t is None or "family" not in t.user_attrs or "config" not in t.user_attrs:
+        raise UserError(f"study {st.study_name}: no kernel to show for "
+                        + (f"trial {trial} (a duplicate or interrupted trial)" if trial is not None else "its best"))
     a = t.user_attrs
     fam = load_space(space_file).family(a["family"])
-    source = render_source(fam, fam.complete(a["config"]), st.user_attrs["target"]["arch"])
+    source = render_source(fam, fam.complete(a["config"]), st.user_attrs["target"]["arch"],
+                           accumulate=st.user_attrs.get("accumulate", "fp32"))
     if a.get("source_hash") and source_hash(source) != a["source_hash"]:
         console.print("[yellow]warning[/]: the template changed since this trial ran; this is today's rendering")
     console.print(f"// trial {t.number}: {a.get('status')} {a.get('time_us')} us, variant {a.get('variant')}")
@@ -734,7 +750,10 @@ def propose(
     from tuner.space import load_space
 
     space = load_space(space_file)
-    space.family(family)
+    if space.family(family).artifact != "cubin":
+        # The static checks allow device code only (no host code, no launches): a library
+        # family's host half could never pass them.
+        raise UserError(f"propose rewrites device-code (cubin) families; {family} is a host+device library")
     shapes = [parse_shape(s) for s in shape]
     client = ChatClient(base_url, model, timeout_s=timeout)
     evidence = gather(storage, family, shapes)

@@ -84,7 +84,7 @@ ARTIFACTS = {"cubin": ".cubin", "library": ".so"}
 
 
 def nvcc_flags(arch: str, artifact: str = "cubin") -> list[str]:
-    # -gencode with code=sm_XX only: one device pass, no embedded PTX (see DESIGN.md).
+    # -gencode with code=sm_XX only: one device pass and no embedded PTX (nothing to JIT later).
     virtual = "compute_" + arch.removeprefix("sm_")
     # A library links the CUDA runtime statically: it loads in any process, whatever cudart it has.
     # Its host pass is gcc parsing ~11 MB of CUTLASS: a larger garbage-collector heap (about

@@ -126,12 +126,20 @@ def write_json(data: dict[str, Any], path: str | Path) -> Path:
     """Validate, then write atomically: a crash never leaves half a JSON file behind."""
     validate(data, str(path))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
+    if path.is_dir():
+        raise UserError(f"cannot write {path}: it is a folder; give a file name such as {path / 'best.json'}")
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 
 
@@ -158,6 +166,8 @@ def read_json(path: str | Path) -> dict[str, Any]:
         raise UserError(f"cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    except ValueError:  # not text at all, e.g. a SQLite file
+        raise UserError(f"{path}: not a JSON file (a database? pass it as sqlite:///{path})") from None
     if not isinstance(data, dict) or "entries" not in data:
         raise UserError(f"{path}: not an hgemm-tune export (no 'entries')")
     validate(data, str(path))

@@ -49,6 +49,10 @@ def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.
     if name == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
     if name == "grid":
+        if len(families) > 1:
+            # Optuna's grid is the cross product of every parameter: across families that is
+            # the product of all their knobs (10^8 points for two), nearly all of them unused.
+            raise UserError("--sampler grid searches one family at a time: pick it with --families")
         grid: dict[str, list] = {"family": [f.name for f in families]}
         for fam in families:
             for knob in fam.compile_knobs:

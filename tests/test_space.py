@@ -89,6 +89,11 @@ families:
     (GOOD.replace("version: 1", "version: 7"), "unsupported version"),
     (GOOD.replace('grid: "ceil_div(M, BM)"', "grid: \"__import__('os')\""), "not allowed"),
     (GOOD + "shapes:\n  mine: [4096x4096]\n", "shapes.mine.0"),
+    (GOOD.replace("    template: wmma.cu.j2", "    template: wmma.cu.j2\n    min_arch: abc"),
+     "families.wmma.min_arch: expected a compute capability"),
+    (GOOD.replace("    template: wmma.cu.j2", "    template: wmma.cu.j2\n    seeds: 5"),
+     "families.wmma.seeds: expected a list"),
+    (GOOD + "shapes:\n  mine: {preset: [1]}\n", "unknown preset"),
 ])
 def test_broken_space_files_name_file_line_and_key(tmp_path, broken, needle):
     path = _write_space(tmp_path, broken)
@@ -151,3 +156,9 @@ def test_bad_accumulate_list_names_the_key(tmp_path):
     (tmp_path / "space.yaml").write_text(text)
     with pytest.raises(UserError, match=r"families\.cute_sm90\.accumulate.*fp64"):
         load_space(tmp_path / "space.yaml")
+
+
+@pytest.mark.parametrize("bomb", ["1 << 10**12", "BM ** 9999999999999", "'x' * 2**60", "(1,) * 2**40"])
+def test_expressions_cannot_exhaust_memory_or_time(bomb):
+    with pytest.raises(UserError, match="failed"):
+        Expr(bomb).eval({"BM": 64})

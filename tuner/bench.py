@@ -210,8 +210,15 @@ class ReplayBackend:
                 rec = json.loads(line)
                 shape = _replay_key(rec["shape"], rec.get("accumulate", "fp32"))
                 if rec.get("type") == "baseline":
+                    if not isinstance(rec["baselines_us"]["cublas"], (int, float)):
+                        raise TypeError("baselines_us.cublas is not a number")
                     self.baselines[shape] = rec["baselines_us"]
                 else:
+                    m = rec["measurement"]
+                    if not isinstance(m["status"], str) or not isinstance(m.get("times_us", {}), dict):
+                        raise TypeError("measurement needs a status and a times_us mapping")
+                    for variant in m.get("times_us", {}):
+                        json.loads(variant)  # variant keys are JSON objects of run-time knobs
                     self.records[(shape, config_key(rec["family"], rec["config"]))] = rec
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise UserError(f"{self.path}:{lineno}: not a measurement record ({exc})") from None

@@ -29,10 +29,27 @@ KNOB_KINDS = ("compile", "runtime")
 # compared only with cuBLAS in fp16 compute mode.
 ACCUMULATE = ("fp32", "fp16")
 
+def _bounded(op, limit: int = 64):
+    """`**` and `<<` with the exponent or shift capped: an expression (perhaps written by an
+    LLM) must not be able to build a number that exhausts memory or time."""
+    def apply(a, b):
+        if isinstance(b, (int, float)) and abs(b) > limit:
+            raise ValueError(f"exponent or shift {b} is over {limit}")
+        return op(a, b)
+    return apply
+
+
+def _mul(a, b):
+    """`*`, refusing to repeat a string or list into a memory bomb ("x" * 2**60)."""
+    if isinstance(a, (str, list, tuple)) or isinstance(b, (str, list, tuple)):
+        raise ValueError("repeating a string or list is not allowed")
+    return a * b
+
+
 _BINOPS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-    ast.Div: operator.truediv, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: _mul,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _bounded(operator.pow),
+    ast.Div: operator.truediv, ast.LShift: _bounded(operator.lshift), ast.RShift: operator.rshift,
 }
 _CMPOPS = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
@@ -328,7 +345,13 @@ class _Loader:
                 raise self.fail(keys + ("launch",), f"missing {lkey!r}")
             launch[lkey] = self.expr(launch_raw[lkey], keys + ("launch", lkey), known)
         seeds = []
-        for i, seed in enumerate(raw.get("seeds", []) or []):
+        seeds_raw = raw.get("seeds", []) or []
+        if not isinstance(seeds_raw, list):
+            raise self.fail(keys + ("seeds",), "expected a list of partial configs ({KNOB: value, ...})")
+        min_arch = raw.get("min_arch", 70)
+        if not isinstance(min_arch, int) or isinstance(min_arch, bool) or not 10 <= min_arch <= 200:
+            raise self.fail(keys + ("min_arch",), f"expected a compute capability such as 80 or 90, got {min_arch!r}")
+        for i, seed in enumerate(seeds_raw):
             skeys = keys + ("seeds", i)
             seed = self.mapping(seed, skeys)
             for kname, value in seed.items():
@@ -342,7 +365,7 @@ class _Loader:
         if not template_path.is_file():
             raise self.fail(keys + ("template",), f"template file {template_path} not found")
         return Family(name=str(name), template=template_path.name, description=str(raw.get("description", "")),
-                      min_arch=int(raw.get("min_arch", 70)), knobs=knobs, derived=derived,
+                      min_arch=min_arch, knobs=knobs, derived=derived,
                       constraints=constraints, launch=launch, templates_dir=template_path.parent,
                       artifact=artifact, seeds=seeds, accumulate=tuple(accumulate))
 
@@ -360,7 +383,7 @@ class _Loader:
                     except UserError as exc:
                         raise self.fail(keys + (i,), str(exc)) from None
             elif isinstance(items, dict) and "preset" in items:
-                if items["preset"] not in SHAPE_PRESETS:
+                if not isinstance(items["preset"], str) or items["preset"] not in SHAPE_PRESETS:
                     raise self.fail(keys + ("preset",), f"unknown preset {items['preset']!r}; "
                                                         f"presets: {', '.join(SHAPE_PRESETS)}")
                 parsed = list(SHAPE_PRESETS[items["preset"]])

@@ -374,4 +374,14 @@ def _save(folder: Path, outcome: Outcome, say: Callable[[str], None]) -> None:
 
 
 def list_proposals(out_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(out_dir.glob("*/outcome.json"))]
+    """Every recorded outcome; a damaged outcome.json is listed as such, not a crash."""
+    out = []
+    for p in sorted(out_dir.glob("*/outcome.json")):
+        try:
+            rec = json.loads(p.read_text())
+            if not isinstance(rec, dict) or not {"id", "round", "status", "reason"} <= set(rec):
+                raise ValueError("missing id, round, status or reason")
+        except (OSError, ValueError) as exc:
+            rec = {"id": p.parent.name, "round": "-", "status": "unreadable", "reason": f"{p}: {exc}"}
+        out.append(rec)
+    return out

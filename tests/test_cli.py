@@ -75,39 +75,31 @@ def test_no_gpu_is_one_line_exit_2():
     assert res.returncode == 2 and "GPU worker cannot start" in res.stderr and "Traceback" not in res.stderr
 
 
+def replay_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """A 2-trial tune of 4096x4096x8192 on the recorded H200 measurements, in tmp_path."""
+    replay = ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl"
+    return run("--shape", "4096x4096x8192", "--trials", "2", "--backend", "replay", "--replay", str(replay),
+               "--storage", f"sqlite:///{tmp_path}/a.db", "--space", str(ROOT / "space.yaml"), *args, cwd=tmp_path)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--accumulate", "fp64"], "--accumulate 'fp64': choose one of fp32, fp16"),
     (["--accumulate", "fp16", "--families", "wmma"], "fp16 accumulation: family wmma does not build it "
                                                      "(families that do: cute_sm90)"),
+    (["--families", ","], "--families ',' names no family"),
+    (["--families", "cute_sm90", "--arch", "sm_80"], "family cute_sm90 needs a newer GPU than sm_80"),
+    (["--sampler", "grid"], "--sampler grid searches one family at a time"),
 ])
-def test_accumulate_choices(args, needle, tmp_path):
-    replay = ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl"
-    res = run("--shape", "4096x4096x8192", "--trials", "2", "--backend", "replay", "--replay", str(replay),
-              "--storage", f"sqlite:///{tmp_path}/a.db", "--space", str(ROOT / "space.yaml"), *args, cwd=tmp_path)
+def test_accumulate_family_and_sampler_choices_fail_cleanly(args, needle, tmp_path):
+    res = replay_run(tmp_path, *args)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert needle in " ".join(res.stderr.split()), res.stderr
 
 
 def test_fp16_accumulate_is_its_own_problem_in_replay(tmp_path):
     """An fp32 replay file cannot answer an fp16-accumulate study: it says so, nothing invented."""
-    replay = ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl"
-    res = run("--shape", "4096x4096x8192", "--trials", "2", "--backend", "replay", "--replay", str(replay),
-              "--storage", f"sqlite:///{tmp_path}/a.db", "--accumulate", "fp16", "--families", "cute_sm90",
-              "--arch", "sm_90a", "--space", str(ROOT / "space.yaml"), cwd=tmp_path)
+    res = replay_run(tmp_path, "--accumulate", "fp16", "--families", "cute_sm90", "--arch", "sm_90a")
     assert res.returncode == 2 and "no baseline for shape 4096x4096x8192 with fp16 accumulation" in res.stderr
-
-
-@pytest.mark.parametrize("args, needle", [
-    (["--families", ","], "--families ',' names no family"),
-    (["--families", "cute_sm90", "--arch", "sm_80"], "family cute_sm90 needs a newer GPU than sm_80"),
-    (["--sampler", "grid"], "--sampler grid searches one family at a time"),
-])
-def test_family_and_sampler_choices_fail_cleanly(args, needle, tmp_path):
-    replay = ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl"
-    res = run("--shape", "4096x4096x8192", "--trials", "2", "--backend", "replay", "--replay", str(replay),
-              "--storage", f"sqlite:///{tmp_path}/a.db", "--space", str(ROOT / "space.yaml"), *args, cwd=tmp_path)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert needle in " ".join(res.stderr.split()), res.stderr
 
 
 def test_report_on_a_database_path_says_how_to_pass_it(tmp_path):

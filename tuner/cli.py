@@ -595,8 +595,9 @@ def report(
     from tuner.report import write_bench_report, write_report
 
     is_url = "://" in source or source.startswith("journal:")
-    if not is_url and _is_bench_json(source):
-        files = write_bench_report(json.loads(Path(source).read_text()), out)
+    bench = None if is_url else _bench_json(source)
+    if bench is not None:
+        files = write_bench_report(bench, out)
     else:
         data = export_studies(load_studies(source)) if is_url else read_json(source)
         files = write_report(data, out)
@@ -606,13 +607,14 @@ def report(
         console.print(f"wrote {f}")
 
 
-def _is_bench_json(path: str) -> bool:
-    """Is this `hgemm-tune bench` output (rows per mode) rather than an export?"""
+def _bench_json(path: str) -> dict | None:
+    """The file's data if it is `hgemm-tune bench` output (rows per mode), else None (an
+    export, or a file read_json will report on)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return False  # read_json reports it properly
-    return isinstance(data, dict) and "rows" in data and "modes" in data
+        return None
+    return data if isinstance(data, dict) and "rows" in data and "modes" in data else None
 
 
 _BENCH_HELP = (

@@ -5,48 +5,52 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=/tmp/cubins
 OUT=${OUT:-runs/out}; mkdir -p "$OUT" runs
+# Every step's timeout is capped by what is left of DEVICE_BUDGET_S for the whole call, so the
+# call always reaches the packing below (the device tool kills a command at 600 s).
+END=${DEVICE_BUDGET_S:-570}
+cap() { local left=$((END - SECONDS)); (( left < $1 )) && echo $((left > 1 ? left : 1)) || echo "$1"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    smoke) timeout 300 python3 benchmarks/smoke.py --out "$OUT" 2>&1 | tee "$OUT/smoke.log" | tail -45 ;;
-    smoke90) timeout 300 python3 benchmarks/smoke.py --out "$OUT" --families cute_sm90 \
+    smoke) timeout "$(cap 300)" python3 benchmarks/smoke.py --out "$OUT" 2>&1 | tee "$OUT/smoke.log" | tail -45 ;;
+    smoke90) timeout "$(cap 300)" python3 benchmarks/smoke.py --out "$OUT" --families cute_sm90 \
                --shapes 4096x4096x8192,3000x5000x1000,64x8192x4096,17x24x40,8192x8192x8192 2>&1 \
                | tee "$OUT/smoke90.log" | tail -45 ;;
-    tune90) timeout 240 python3 -m tuner.cli --shape 4096x4096x8192 --trials 30 --seed 0 --families cute_sm90 --timeout 150 \
+    tune90) timeout "$(cap 240)" python3 -m tuner.cli --shape 4096x4096x8192 --trials 30 --seed 0 --families cute_sm90 --timeout "$(cap 150)" \
               2>&1 | tee "$OUT/tune90.log" | grep -v "tuning" | tail -12 ;;
-    benchq) timeout 120 python3 benchmarks/bench_families.py --out "$OUT" --trials 0 --shapes 4096x4096x8192 \
+    benchq) timeout "$(cap 120)" python3 benchmarks/bench_families.py --out "$OUT" --trials 0 --shapes 4096x4096x8192 \
               --families cute_sm90 2>&1 | tee "$OUT/benchq.log" | tail -8 ;;
-    tune200) timeout 570 python3 -m tuner.cli --shape 4096x4096x8192 --trials 200 --seed 0 --timeout "${TUNE_TIMEOUT:-330}" \
+    tune200) timeout "$(cap 570)" python3 -m tuner.cli --shape 4096x4096x8192 --trials 200 --seed 0 --timeout "$(cap ${TUNE_TIMEOUT:-330})" \
                --storage sqlite:///runs/tune200.db --record "$OUT/replay_tune200.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
                | tee "$OUT/tune200.log" | grep -v "tuning" | tail -14 ;;
-    bench90) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
+    bench90) timeout "$(cap ${BENCH_TIMEOUT:-540})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --time-per-family "${BENCH_TUNE_S:-40}" --trials 200 ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 \
                | tee "$OUT/bench90.log" | tail -16 ;;
-    bench10) timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
+    bench10) timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 | tee "$OUT/bench10.log" | tail -16 ;;
     sweep27) # issue 4: sweep the {256,2048,8192}^3 sub-grid, bench its export in both modes, plot
-             timeout "${SWEEP_TIMEOUT:-400}" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
+             timeout "$(cap ${SWEEP_TIMEOUT:-400})" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
                --trials-per-shape "${SWEEP_TRIALS:-12}" --budget "${SWEEP_BUDGET:-360}" --seed 0 \
                --storage sqlite:///runs/sweep27.db -o "$OUT/sweep27.json" 2>&1 | tee "$OUT/sweep27.log" | tail -40
-             timeout "${SWEEP_BENCH_TIMEOUT:-170}" python3 -m tuner.cli bench "$OUT/sweep27.json" --mode both \
+             timeout "$(cap ${SWEEP_BENCH_TIMEOUT:-170})" python3 -m tuner.cli bench "$OUT/sweep27.json" --mode both \
                --out "$OUT/sweep27_bench" 2>&1 | tee "$OUT/sweep27_bench.log" | tail -12
              python3 -m tuner.cli report "$OUT/sweep27_bench/bench.json" --out "$OUT/sweep27_report"
              python3 -m tuner.cli report "$OUT/sweep27.json" --out "$OUT/sweep27_report" ;;
-    gpu-tests) timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests -x -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
-    tune) timeout 420 python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
+    gpu-tests) timeout "$(cap ${GPU_TESTS_TIMEOUT:-300})" python3 -m pytest -q -m gpu tests -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    tune) timeout "$(cap 420)" python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
             --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
             | tee "$OUT/tune.log" | grep -v "tuning" | tail -30 ;;
-    bench) timeout 540 python3 benchmarks/bench_families.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
+    bench) timeout "$(cap 540)" python3 benchmarks/bench_families.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
     doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
-    broken) timeout "${BROKEN_TIMEOUT:-300}" python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
+    broken) timeout "$(cap ${BROKEN_TIMEOUT:-300})" python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
               --space tests/data/space_broken.yaml --seed 0 --storage sqlite:///runs/broken.db 2>&1 \
               | tee "$OUT/broken.log" | grep -v "tuning" | tail -12
             python3 benchmarks/failure_table.py sqlite:///runs/broken.db | tee -a "$OUT/broken.log" ;;
-    workers) timeout 300 python3 -m tuner.cli --shape 2048x2048x2048 --trials 30 --families wmma --workers 2 \
+    workers) timeout "$(cap 300)" python3 -m tuner.cli --shape 2048x2048x2048 --trials 30 --families wmma --workers 2 \
                --storage sqlite:///runs/workers.db 2>&1 | tee "$OUT/workers.log" | grep -v "workers" | tail -8
              python3 benchmarks/failure_table.py sqlite:///runs/workers.db --by gpu | tee -a "$OUT/workers.log" ;;
-    propose) timeout ${PROPOSE_TIMEOUT:-300} python3 benchmarks/propose_demo.py --out "$OUT/propose" \
+    propose) timeout "$(cap ${PROPOSE_TIMEOUT:-300})" python3 benchmarks/propose_demo.py --out "$OUT/propose" \
                --trials "${PROPOSE_TRIALS:-8}" ${PROPOSE_SHAPES:+--shape $PROPOSE_SHAPES} 2>&1 \
                | tee "$OUT/propose.log" | tail -60 ;;
     *) echo "unknown step $step" ;;

@@ -37,7 +37,10 @@ for step in "$@"; do
                --out "$OUT/sweep27_bench" 2>&1 | tee "$OUT/sweep27_bench.log" | tail -12
              python3 -m tuner.cli report "$OUT/sweep27_bench/bench.json" --out "$OUT/sweep27_report"
              python3 -m tuner.cli report "$OUT/sweep27.json" --out "$OUT/sweep27_report" ;;
-    gpu-tests) timeout "$(cap ${GPU_TESTS_TIMEOUT:-300})" python3 -m pytest -q -m gpu tests -ra 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    gpu-tests) timeout "$(cap ${GPU_TESTS_TIMEOUT:-300})" python3 -m pytest -q -m gpu tests -ra ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    tuneshape) # one cute_sm90 study: TUNE_SHAPE, TUNE_TRIALS, TUNE_TIMEOUT
+               timeout "$(cap 570)" python3 -m tuner.cli --shape "${TUNE_SHAPE:-256x256x8192}" --trials "${TUNE_TRIALS:-8}" --seed 0 \
+                 --families cute_sm90 --timeout "$(cap ${TUNE_TIMEOUT:-150})" 2>&1 | tee "$OUT/tuneshape.log" | grep -v "tuning" | tail -14 ;;
     tune) timeout "$(cap 420)" python3 -m tuner.cli --shape 4096x4096x8192 --trials 100 --seed 0 \
             --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
             | tee "$OUT/tune.log" | grep -v "tuning" | tail -30 ;;

@@ -27,3 +27,16 @@ def kill9_after(args: list[str], cwd: Path, db: Path, rows: int, timeout_s: floa
         time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def trial_states(db: Path) -> dict[str, int]:
+    """Trials per state (COMPLETE, FAIL, RUNNING, ...) in an Optuna SQLite file, read only."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+        return dict(conn.execute("SELECT state, COUNT(*) FROM trials GROUP BY state").fetchall())
+
+
+def user_attr_counts(db: Path, key: str) -> dict[str, int]:
+    """How many trials hold each value (JSON text) of user attribute `key`, read only."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+        return dict(conn.execute("SELECT value_json, COUNT(*) FROM trial_user_attributes WHERE key = ? "
+                                 "GROUP BY value_json", (key,)).fetchall())

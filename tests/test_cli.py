@@ -108,3 +108,60 @@ def test_report_on_a_database_path_says_how_to_pass_it(tmp_path):
     res = run("report", str(db), "--out", str(tmp_path / "rep"), cwd=tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert f"pass it as sqlite:///{db}" in " ".join(res.stderr.split()), res.stderr
+
+
+def test_worker_joins_only_an_existing_study(tmp_path):
+    """`worker --study <typo>` is one line and exit 2, and creates neither the study nor the file."""
+    res = replay_run(tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    storage = f"sqlite:///{tmp_path}/a.db"
+    before = subprocess.run([sys.executable, "-c", f"import optuna; print(optuna.get_all_study_names({storage!r}))"],
+                            capture_output=True, text=True, timeout=60).stdout
+    replay = str(ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl")
+    res = run("worker", "--study", "no-such-study", "--storage", storage, "--backend", "replay", "--replay", replay,
+              cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "has no study 'no-such-study'" in lines[0], res.stderr
+    after = subprocess.run([sys.executable, "-c", f"import optuna; print(optuna.get_all_study_names({storage!r}))"],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert after == before and "no-such-study" not in after
+    missing = tmp_path / "missing.db"
+    res = run("worker", "--study", "x", "--storage", f"sqlite:///{missing}", "--backend", "replay", "--replay", replay,
+              cwd=tmp_path)
+    assert res.returncode == 2 and "no such file" in res.stderr and "Traceback" not in res.stderr
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("command", [["export", "-o", "best.json"], ["report", "--out", "rep"], ["studies"],
+                                     ["record", "-o", "r.jsonl"]])
+def test_read_only_commands_do_not_create_a_missing_storage(command, tmp_path):
+    missing = tmp_path / "typo.db"
+    url = f"sqlite:///{missing}"
+    args = [command[0], "--storage", url, *command[1:]] if command[0] == "studies" else [command[0], url, *command[1:]]
+    res = run(*args, cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"no such file {missing}" in " ".join(res.stderr.split()), res.stderr
+    assert not missing.exists() and not (tmp_path / "best.json").exists()
+
+
+def test_replay_summary_does_not_count_unrecorded_configs_as_measured(tmp_path):
+    """A config the replay file has no measurement for is a failed trial, reported as not recorded,
+    never among the measured trials."""
+    import re
+
+    from helpers import user_attr_counts
+
+    res = replay_run(tmp_path, "--trials", "12", "--seed", "0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    statuses = user_attr_counts(tmp_path / "a.db", "status")
+    unrecorded = statuses.get('"not_recorded"', 0)
+    assert unrecorded, "every proposed config was recorded: the test shows nothing"
+    text = " ".join((res.stdout + res.stderr).split())
+    measured = int(re.search(r"(\d+) trials measured", text).group(1))
+    real = sum(n for s, n in statuses.items() if s not in ('"invalid"', '"duplicate"', '"not_recorded"'))
+    assert measured == real
+    assert f"{unrecorded} not recorded in the replay file (not measured)" in text
+    assert "'not_recorded'" not in text  # not listed among the measured trials' failures either
+    assert f"study holds {real} measured trials" in text

@@ -16,7 +16,7 @@ import optuna
 import pytest
 from helpers import kill9_after
 
-from tuner.search import NOT_MEASURED
+from tuner.search import NOT_EVALUATED
 from tuner.shapes import parse_shape
 from tuner.space import load_space
 from tuner.target import target_for_arch
@@ -56,7 +56,7 @@ def measured(storage: str) -> list[optuna.trial.FrozenTrial]:
     (name,) = optuna.get_all_study_names(st)
     study = optuna.load_study(study_name=name, storage=st)
     return [t for t in study.get_trials() if t.state.is_finished()
-            and t.user_attrs.get("status") not in NOT_MEASURED]
+            and t.user_attrs.get("status") not in NOT_EVALUATED]
 
 
 def run_grid(storage: str, workers: int, space: Path, cwd: Path) -> list[optuna.trial.FrozenTrial]:
@@ -181,3 +181,76 @@ def test_killed_worker_trial_is_failed_and_retried(small_space, tmp_path):
     assert retries[0].user_attrs["config"] == config, "the retry measures the dead trial's config"
     assert max(_configs(measured(storage)).values()) == 1, "no config measured twice"
 
+
+
+@pytest.mark.parametrize("who", ["parent", "group"])
+def test_interrupted_workers_leave_no_trial_running(who, tmp_path):
+    """Ctrl-C of `tune --workers 2` (SIGINT to the parent, which SIGTERMs its workers; or to the whole
+    process group, as a terminal sends it): every trial a worker held is told FAIL ("interrupted")."""
+    import signal
+
+    from helpers import finished_rows, trial_states, user_attr_counts
+
+    db = tmp_path / "w.db"
+    args = [sys.executable, "-m", "tuner.cli", "--shape", SHAPE, "--trials", "5000", "--workers", "2",
+            "--backend", "replay", "--replay", str(REPLAY), "--seed", "0", "--storage", f"sqlite:///{db}",
+            "--space", str(ROOT / "space.yaml")]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and finished_rows(db) < 60:  # both workers well into the study
+        time.sleep(0.3)
+    if who == "parent":
+        proc.send_signal(signal.SIGINT)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
+    states = trial_states(db)
+    assert "RUNNING" not in states, states
+    assert user_attr_counts(db, "status").get('"interrupted"'), "no trial was in flight: the test shows nothing"
+    for i in range(2):
+        assert "interrupted" in (tmp_path / "runs" / f"worker-{i}.log").read_text()
+
+
+def test_an_interrupt_inside_tell_leaves_no_trial_running(tmp_path, monkeypatch):
+    """Ctrl-C between a trial's attributes and its tell: the trial ends FAIL ("interrupted")."""
+    from tuner.search import TrialRecord, _tell
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/t.db")
+    trial = study.ask()
+    real_tell = optuna.Study.tell
+    calls = []
+
+    def interrupted_tell(self, *args, **kwargs):
+        calls.append(kwargs.get("state"))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_tell(self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", interrupted_tell)
+    with pytest.raises(KeyboardInterrupt):
+        _tell(study, trial, TrialRecord("wmma", {"BM": 64}, "invalid", kind="invalid", reason="too big"))
+    (t,) = study.get_trials()
+    assert t.state == optuna.trial.TrialState.FAIL and t.user_attrs["status"] == "interrupted"
+
+
+def test_signals_wait_for_the_end_of_a_storage_section():
+    """SIGTERM inside a deferred section (ask..tell) is raised as KeyboardInterrupt when the section
+    ends; a second signal while the process stops is ignored."""
+    import signal
+
+    from tuner.search import INTERRUPTS
+
+    before = signal.getsignal(signal.SIGTERM)
+    with INTERRUPTS.handled():
+        reached_end = False
+        with pytest.raises(KeyboardInterrupt), INTERRUPTS.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler has run: nothing raised inside the section
+            reached_end = True
+        assert reached_end
+        os.kill(os.getpid(), signal.SIGTERM)  # stopping already: ignored
+        time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -352,3 +352,32 @@ def test_the_shipped_cute_sm80_proposal_applies_and_compiles():
             assert res.ok and res.spill_bytes == 0, res.error
     finally:
         pool.close()
+
+
+def test_a_child_failing_to_render_at_some_knob_values_fails_that_trial_only(tmp_path):
+    """The short tune renders the child at knob combinations the sandbox check never saw: one that
+    raises a Python error there (ZeroDivisionError at UNROLL_HINT=2) is a failed trial with the reason,
+    and the proposal still ends with an outcome."""
+    import dataclasses
+
+    import optuna
+
+    from proposer.loop import _Ctx, _new_knobs, _tune_against_parent
+    from tuner.export import load_studies
+
+    space = load_space(ROOT / "space.yaml")
+    fam = space.family("wmma")
+    template = WMMA + "// {{ 1 // (2 - UNROLL_HINT) }}\n"
+    knobs, new = _new_knobs(fam, {"UNROLL_HINT": {"values": [1, 2], "default": 1}})
+    (tmp_path / fam.template).write_text(template)
+    child = dataclasses.replace(fam, name="wmma_child", knobs=knobs, templates_dir=tmp_path)
+    ctx = _Ctx(space, fam, WMMA, "wmma-test-r0c0", 0, tmp_path, [parse_shape("256x256x256")], StandIn(1.0),
+               "sm_90a", 4, None, lambda line: None, tmp_path / "versions", "", "")
+    out = _tune_against_parent(ctx, child, new, template, None, {})
+    assert out.status == "rejected", out
+    failed = [t for st in load_studies(f"sqlite:///{tmp_path}/study.db") for t in st.get_trials()
+              if t.user_attrs.get("status") == "render_error"]
+    assert failed, "the child's tune never tried UNROLL_HINT=2"
+    for t in failed:
+        assert t.state == optuna.trial.TrialState.FAIL and t.user_attrs["config"]["UNROLL_HINT"] == 2
+        assert "UNROLL_HINT=2" in t.user_attrs["reason"] and "ZeroDivisionError" in t.user_attrs["reason"]

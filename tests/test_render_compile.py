@@ -54,6 +54,18 @@ def test_broken_template_is_a_user_error(space, tmp_path):
         render(space.family("wmma"), space.family("wmma").defaults(), "sm_90a", templates_dir=tmp_path)
 
 
+def test_python_error_inside_a_template_is_a_render_error(space, tmp_path):
+    """A Python exception raised while rendering (here ZeroDivisionError at PAD=0) is a RenderError
+    naming the knob values, not a crash; other values still render."""
+    from tuner.render import RenderError
+
+    (tmp_path / "wmma.cu.j2").write_text("{{ 64 // PAD }}\n")
+    fam = space.family("wmma")
+    with pytest.raises(RenderError, match="PAD=0.*ZeroDivisionError"):
+        render(fam, fam.defaults() | {"PAD": 0}, "sm_90a", templates_dir=tmp_path)
+    assert render(fam, fam.defaults() | {"PAD": 8}, "sm_90a", templates_dir=tmp_path) == "8\n"
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("family, n", [("wmma", 3), ("cute_sm80", 2)])
 def test_sampled_configs_compile(space, h200, tmp_path, family, n):

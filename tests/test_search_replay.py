@@ -68,7 +68,7 @@ def test_tune_resume_and_export(space, replay, tmp_path):
     assert entry["speedup"]["cublas"] == pytest.approx(entry["baselines_us"]["cublas"] / entry["time_us"])
     assert entry["pick"] == (entry["family"] if entry["speedup"]["cublas"] > 1 else "cublas")
     stats = study_stats(again)
-    assert stats["trials"] == 40
+    assert stats["trials"] + stats["not_recorded"] == 40  # configs the file lacks spend trials, unmeasured
 
 
 def test_unrecorded_config_is_not_invented(space, replay):
@@ -81,6 +81,21 @@ def test_unrecorded_config_is_not_invented(space, replay):
         pytest.skip("that config happens to be recorded")
     rec = finish(prepare(fam, cfg, SHAPE, replay, None), SHAPE, replay, 60)
     assert rec.status == "not_recorded" and rec.time_us is None
+
+
+def test_unrecorded_configs_spend_trials_but_are_not_measured(space, replay, tmp_path):
+    from tuner.search import evaluated_trials, measured_trials
+
+    study = tune(space, ["cute_sm80", "wmma"], SHAPE, replay, trials=12, storage=f"sqlite:///{tmp_path}/n.db", seed=0)
+    unrecorded = [t for t in study.get_trials() if t.user_attrs.get("status") == "not_recorded"]
+    assert unrecorded, "every proposed config was recorded: the test shows nothing"
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in unrecorded)
+    # They spend the trial budget (a GPU run would have measured them), but are not measured.
+    assert evaluated_trials(study) == 12
+    assert measured_trials(study) == 12 - len(unrecorded)
+    stats = study_stats(study)
+    assert stats["trials"] == measured_trials(study) and stats["not_recorded"] == len(unrecorded)
+    assert "not_recorded" not in stats["failures"]
 
 
 def test_cli_replay_run_writes_json(tmp_path):

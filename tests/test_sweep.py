@@ -11,7 +11,7 @@ import pytest
 from helpers import kill9_after
 
 from tuner.export import load_studies
-from tuner.search import NOT_MEASURED
+from tuner.search import NOT_EVALUATED
 from tuner.space import load_space
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ def measured(tmp_path: Path) -> dict[str, list]:
         if "shape" not in st.user_attrs:  # created by a run killed before it set the attributes
             continue
         out[st.user_attrs["shape"]] = [(t.number, t.value) for t in st.get_trials()
-                                       if t.state.is_finished() and t.user_attrs.get("status") not in NOT_MEASURED]
+                                       if t.state.is_finished() and t.user_attrs.get("status") not in NOT_EVALUATED]
     return out
 
 
@@ -63,11 +63,28 @@ def test_warm_start_seeds_from_nearest_tuned_shape(tmp_path):
     assert seeds and all(fam in ("cute_sm80", "wmma") for fam, _ in seeds)
 
 
-@pytest.mark.parametrize("bad, needle", [("nope", "no shape list 'nope'")])
+@pytest.mark.parametrize("bad, needle", [("nope", "no shape list 'nope'"), (",", "--shapes ',' names no shape list"),
+                                         (" ", "--shapes ' ' names no shape list")])
 def test_unknown_shape_list(tmp_path, bad, needle):
-    res = subprocess.run([sys.executable, "-m", "tuner.cli", "sweep", str(ROOT / "space.yaml"), "--shapes", bad],
+    res = subprocess.run([sys.executable, "-m", "tuner.cli", "sweep", str(ROOT / "space.yaml"), "--shapes", bad,
+                          "--backend", "replay", "--replay", str(REPLAY), "--storage", f"sqlite:///{tmp_path}/s.db"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and needle in res.stderr
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "runs" / "sweep.json").exists()
+
+
+def test_skipped_shape_leaves_no_study(tmp_path):
+    """A shape the sweep skips (here: no baseline in the replay file) gets no study in the storage."""
+    replay = tmp_path / "no_2048.jsonl"
+    replay.write_text("".join(line + "\n" for line in REPLAY.read_text().splitlines()
+                              if '"shape": "2048x2048x64"' not in line))
+    args = sweep_args(tmp_path, 1)
+    args[args.index(str(REPLAY))] = str(replay)
+    res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "skipped 2048x2048x64" in res.stderr
+    shapes = {st.user_attrs.get("shape") for st in load_studies(f"sqlite:///{tmp_path}/sweep.db")}
+    assert shapes == {str(s) for s in load_space(ROOT / "space.yaml").shapes["default"]} - {"2048x2048x64"}
 
 
 def test_report_writes_plots_from_a_sweep(tmp_path):

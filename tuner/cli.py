@@ -120,7 +120,9 @@ def _summary(study, shape) -> Table:
     table.caption = (f"{stats['trials']} trials measured, {stats['ok']} verified, "
                      f"{stats['invalid_rejected']} rejected before nvcc, {stats['duplicates']} duplicates; "
                      f"failures: {stats['failures'] or 'none'}; median cold compile "
-                     f"{_fmt(stats['compile_s_cold_median'], '.1f')} s")
+                     f"{_fmt(stats['compile_s_cold_median'], '.1f')} s"
+                     + (f"; {stats['not_recorded']} not recorded in the replay file (not measured)"
+                        if stats["not_recorded"] else ""))
     return table
 
 
@@ -134,20 +136,24 @@ def _measuring(be, jobs: int | None, resume_hint: str):
     """The compile pool a backend needs (toolchain checked before any trial); closes both,
     and turns Ctrl-C into a note that finished trials are kept."""
     from tuner.compile import CompilePool, cutlass_include, nvcc_path
+    from tuner.search import INTERRUPTS
 
     pool = None
-    try:
-        if be.needs_cubin:
-            nvcc_path(), cutlass_include()  # missing toolchain: one clear error before any trial
-            pool = CompilePool(jobs)
-        yield pool
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted[/]: every finished trial is saved; {resume_hint}")
-        raise typer.Exit(130) from None
-    finally:
-        be.close()
-        if pool:
-            pool.close()
+    # SIGINT and SIGTERM (`tune --workers` stopping its workers) end the search at a safe point:
+    # the trials held are told FAIL ("interrupted"), never left RUNNING.
+    with INTERRUPTS.handled():
+        try:
+            if be.needs_cubin:
+                nvcc_path(), cutlass_include()  # missing toolchain: one clear error before any trial
+                pool = CompilePool(jobs)
+            yield pool
+        except KeyboardInterrupt:
+            console.print(f"[yellow]interrupted[/]: every finished trial is saved; {resume_hint}")
+            raise typer.Exit(130) from None
+        finally:
+            be.close()
+            if pool:
+                pool.close()
 
 
 def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeout, jobs, record, label="tuning",
@@ -181,15 +187,11 @@ def _search(space, fams, shp, be, *, trials, sampler, storage, name, seed, timeo
 def _measured_so_far(name: str, storage: str) -> int:
     """Measured trials a study already holds (0 when it does not exist yet): a resumed run's
     trials per minute count only what this run measured."""
-    import optuna
-
-    from tuner.search import measured_trials
+    from tuner.search import existing_study, measured_trials
     from tuner.storage import open_storage
 
-    backing = open_storage(storage)
-    if name not in optuna.get_all_study_names(backing):
-        return 0
-    return measured_trials(optuna.load_study(study_name=name, storage=backing))
+    st = existing_study(name, open_storage(storage))
+    return measured_trials(st) if st else 0
 
 
 def _gpu_count() -> int:
@@ -200,12 +202,15 @@ def _gpu_count() -> int:
         return 1
 
 
+WORKER_STOP_S = 20.0  # how long an interrupted `tune --workers` waits for its workers to tell their trials
+
+
 def _spawn_workers(n: int, name: str, storage: str, trials: int, args: list[str], jobs: int | None,
                    backend: str) -> None:
     """N `hgemm-tune worker` processes on one study, one per GPU (round robin), sharing the
     compile cache on disk; this process only shows their joint progress."""
     from tuner.export import best_trial
-    from tuner.search import measured_trials, open_study
+    from tuner.search import evaluated_trials, open_study
 
     gpus = _gpu_count() if backend == "gpu" else 1
     per_jobs = jobs or max(1, (os.cpu_count() or 1) // n)
@@ -224,12 +229,23 @@ def _spawn_workers(n: int, name: str, storage: str, trials: int, args: list[str]
             while any(p.poll() is None for p, _ in procs):
                 time.sleep(1.0)
                 b = best_trial(study)
-                bar.update(task, completed=min(measured_trials(study), trials),
+                bar.update(task, completed=min(evaluated_trials(study), trials),
                            status=f"best {b.value:.2f} us" if b else "no verified kernel yet")
         except KeyboardInterrupt:
+            # Each worker tells the trials it holds as FAIL ("interrupted") on SIGTERM, then exits:
+            # give them that time before killing any, so no trial stays RUNNING.
             for p, _ in procs:
                 p.terminate()
-            raise
+            deadline = time.monotonic() + WORKER_STOP_S
+            for p, log in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                log.close()
+            console.print("[yellow]interrupted[/]: every finished trial is saved; run the same command to resume.")
+            raise typer.Exit(130) from None
     for i, (p, log) in enumerate(procs):
         log.close()
         if p.returncode not in (0, None):
@@ -260,7 +276,7 @@ def tune(
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; export the best as JSON."""
     from tuner.export import export_studies, write_json
-    from tuner.search import measured_trials, study_name
+    from tuner.search import evaluated_trials, measured_trials, study_name
     from tuner.shapes import parse_shape
     from tuner.space import load_space
 
@@ -297,8 +313,9 @@ def tune(
     rate = f" ({new} this run, {60 * new / elapsed:.1f} trials/min)" if new > 0 and elapsed > 0 else ""
     console.print(f"{elapsed:.0f} s this run; study holds {n} measured trials{rate}; "
                   f"best config JSON: {path}" + (f" and {output}" if output else ""))
-    if n < trials and not timeout:
-        console.print(f"[yellow]stopped at {n} of {trials} trials[/]: the sampler proposed no new valid config "
+    spent = evaluated_trials(st)  # with a replay file's not-recorded configs, which count toward --trials
+    if spent < trials and not timeout:
+        console.print(f"[yellow]stopped at {spent} of {trials} trials[/]: the sampler proposed no new valid config "
                       "in many tries; the space (or what the sampler explores of it) is spent.")
     if not data["entries"]:
         console.print("[red]no candidate passed verification[/]")
@@ -323,11 +340,12 @@ def worker(
     space_file: Path = SpaceOpt,
 ) -> None:
     """Join a study as one more worker: ask, compile, measure, tell, until the study is full."""
-    from tuner.search import measured_trials, open_study
+    from tuner.export import load_studies
+    from tuner.search import measured_trials
     from tuner.shapes import parse_shape
     from tuner.space import load_space
 
-    st = open_study(study, storage)
+    (st,) = load_studies(storage, [study])  # joins an existing study: a typo must not create one
     attrs = st.user_attrs
     if "shape" not in attrs:
         raise UserError(f"study {study!r} in {storage} was not created by hgemm-tune tune (no shape)")
@@ -395,13 +413,16 @@ def sweep(
     import optuna
 
     from tuner.export import best_trial, export_studies, write_json
-    from tuner.search import hang_timeout_s, measured_trials, open_study, study_name
+    from tuner.search import evaluated_trials, existing_study, hang_timeout_s, measured_trials, study_name
     from tuner.search import tune as run_tune
     from tuner.space import load_space
+    from tuner.storage import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = load_space(space_file)
     names = [n.strip() for n in shapes.split(",") if n.strip()]
+    if not names:
+        raise UserError(f"--shapes {shapes!r} names no shape list; lists: {', '.join(space.shapes) or 'none'}")
     missing = [n for n in names if n not in space.shapes]
     if missing:
         raise UserError(f"{space_file}: no shape list {missing[0]!r}; lists: {', '.join(space.shapes) or 'none'}")
@@ -411,6 +432,7 @@ def sweep(
     fams = _families_for(space, families, be.target, be, _accumulate(accumulate))
     if be.simulated:
         console.print("[yellow]SIMULATED[/]: replaying recorded measurements, no GPU runs.")
+    backing = open_storage(storage)
     deadline = time.perf_counter() + budget if budget else None
     done_studies, skipped = [], []
     with _measuring(be, jobs, "run the same sweep to continue.") as pool, _progress() as bar:
@@ -420,9 +442,9 @@ def sweep(
             if deadline and time.perf_counter() > deadline:
                 break
             name = study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=accumulate)
-            st = open_study(name, storage)
-            if (measured_trials(st) >= trials_per_shape
-                    or st.user_attrs.get("sweep_done_trials", 0) >= trials_per_shape):
+            st = existing_study(name, backing)  # created by run_tune only: a skipped shape leaves no study
+            if st is not None and (evaluated_trials(st) >= trials_per_shape
+                                   or st.user_attrs.get("sweep_done_trials", 0) >= trials_per_shape):
                 done_studies.append(st)  # finished in an earlier run
                 bar.advance(over)
                 continue
@@ -445,7 +467,7 @@ def sweep(
                           name=name, seed=seed, timeout_s=limit, pool=pool, on_progress=on_progress,
                           warm_start=_nearest_winners(storage, shp, fams), patience=patience or None,
                           eval_timeout_s=hang_timeout_s(baselines["cublas"]), accumulate=accumulate)
-            if measured_trials(st) and not (deadline and time.perf_counter() >= deadline):
+            if evaluated_trials(st) and not (deadline and time.perf_counter() >= deadline):
                 # Stopped by its count, patience or its own time box: done at this trial budget.
                 st.set_user_attr("sweep_done_trials", trials_per_shape)
             done_studies.append(st)

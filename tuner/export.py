@@ -66,6 +66,7 @@ def study_stats(study: optuna.Study) -> dict[str, Any]:
         "invalid_rejected": sum(1 for r in rows if r.get("status") == "invalid"),
         "duplicates": sum(1 for r in rows if r.get("status") == "duplicate"),
         "surplus": sum(1 for r in rows if r.get("status") == "surplus"),
+        "not_recorded": sum(1 for r in rows if r.get("status") == "not_recorded"),
         "failures": failures,
         "compile_s_cold_median": statistics.median(cold) if cold else None,
         "compile_cached": len(cached),
@@ -144,9 +145,10 @@ def write_json(data: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_studies(storage: str, names: list[str] | None = None) -> list[optuna.Study]:
+    """Existing studies only: a missing storage file or study is a UserError, never created."""
     from tuner.storage import open_storage
 
-    backing = open_storage(storage)
+    backing = open_storage(storage, create=False)
     try:
         summaries = optuna.get_all_study_summaries(storage=backing, include_best_trial=False)
     except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors

@@ -251,7 +251,7 @@ class LibraryCandidate(Candidate):
 
     RASTER = {"heuristic": 0, "along_m": 1, "along_n": 2}
     # DECOMP -> the library's `splits`: 0 stream-K, 1 data-parallel, n > 1 split-K in n.
-    DECOMP = {"stream_k": 0, "data_parallel": 1, "split_2": 2, "split_3": 3, "split_4": 4}
+    DECOMP = {"stream_k": 0, "data_parallel": 1} | {f"split_{n}": n for n in (2, 3, 4, 8, 16)}
 
     def __init__(self, path: str, launch: dict[str, Any]):
         i, p = ctypes.c_int, ctypes.c_void_p
@@ -587,7 +587,7 @@ class Worker:
             report = verify.full_check(first, cublas, buf, self.stream, accumulate)
             if report["ok"]:
                 for key, launch in list(launchers.items())[1:]:
-                    sub = verify.random_check(launch, cublas, buf, self.stream)
+                    sub = verify.random_check(launch, cublas, buf, self.stream, accumulate)
                     if not sub["ok"]:
                         report = sub | {"variant": json.loads(key)}
                         break

@@ -15,6 +15,10 @@ from tuner.space import Family
 ENTRY = "hgemm"
 
 
+class RenderError(UserError):
+    """A template that fails at these knob values (it may render at others): one trial's failure."""
+
+
 def make_env(templates_dir: Path) -> SandboxedEnvironment:
     # Sandboxed even for our own templates: the proposer writes templates too, and one
     # code path means the LLM's templates get no more power than ours.
@@ -40,10 +44,15 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
     params = family.compile_config(config)
     try:
         template = make_env(templates_dir or family.templates_dir).get_template(family.template)
-        return template.render(family=family.name, entry=ENTRY, arch=arch, ACCUM=accumulate, **params)
-    except jinja2.TemplateError as exc:
+    except jinja2.TemplateError as exc:  # missing file, syntax error: no config renders
         where = f"{family.template}:{getattr(exc, 'lineno', '?')}"
         raise UserError(f"template {where} does not render: {type(exc).__name__}: {exc}") from None
+    try:
+        return template.render(family=family.name, entry=ENTRY, arch=arch, ACCUM=accumulate, **params)
+    except Exception as exc:  # noqa: BLE001 - Jinja errors, and Python ones raised inside it (`{{ 1 // X }}`, X=0)
+        where = f"{family.template}:{getattr(exc, 'lineno', None) or '?'}"
+        knobs = ", ".join(f"{k}={v}" for k, v in params.items())
+        raise RenderError(f"template {where} does not render with {knobs}: {type(exc).__name__}: {exc}") from None
 
 
 def source_hash(source: str) -> str:

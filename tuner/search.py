@@ -9,12 +9,15 @@ Run-time knobs are not sampled: every cubin is timed at all of their values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import signal
+import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +26,7 @@ import optuna
 from tuner.bench import EvalRequest, Measurement, config_key
 from tuner.compile import CompilePool, CompileResult
 from tuner.errors import UserError
-from tuner.render import render, source_hash, template_hash
+from tuner.render import RenderError, render, source_hash, template_hash
 from tuner.shapes import Shape
 from tuner.space import Family, Space
 
@@ -85,7 +88,7 @@ class TrialRecord:
 
     family: str
     config: dict[str, Any]
-    status: str                       # ok | invalid | compile_error | failed | fault | timeout | not_recorded | ...
+    status: str                       # ok | invalid | render_error | compile_error | failed | fault | timeout | ...
     source_hash: str = ""
     cache_key: str = ""
     compile_s: float = 0.0
@@ -161,7 +164,13 @@ def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: Co
         return Pending(None, fam, rec.config, rec)
     # Every run-time variant must satisfy the constraints too.
     variants = [v for v in fam.runtime_variants() if not fam.violations(full | v, shape, backend.target)]
-    source = render(fam, full, backend.target.arch, accumulate=accumulate)
+    try:
+        source = render(fam, full, backend.target.arch, accumulate=accumulate)
+    except RenderError as exc:
+        # This config's failure, like a compile error (a proposed template may fail at some knob
+        # combinations only): the trial records why, the study goes on.
+        rec.status, rec.kind, rec.reason = "render_error", "render", str(exc)
+        return Pending(None, fam, rec.config, rec)
     rec.source_hash = source_hash(source)
     req = EvalRequest(fam.name, rec.config, shape, None, launch_spec(fam, full, shape, backend.target), variants,
                       accumulate)
@@ -177,7 +186,7 @@ def finish(p: Pending, shape: Shape, backend, timeout_s: float,
            recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> TrialRecord:
     """Wait for the compile, then measure on the backend."""
     rec = p.record
-    if rec.status == "invalid":
+    if rec.status in ("invalid", "render_error"):
         return rec
     assert p.request is not None
     if p.future is not None:
@@ -206,6 +215,7 @@ class Progress:
 def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
     """Store the record and the value; False if another worker finished this trial first
     (SQLite cannot lock rows, so two processes may pop the same enqueued trial)."""
+    told = False
     try:
         for key, value in rec.attrs().items():
             trial.set_user_attr(key, value)
@@ -217,9 +227,75 @@ def _tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        told = True
     except optuna.exceptions.UpdateFinishedTrialError:
+        told = True
         return False
+    finally:
+        if not told:  # interrupted (or a storage error) between the attributes and the tell
+            with contextlib.suppress(Exception):  # the original error is the one to see
+                _fail_held(study, trial, "interrupted", "interrupted while its result was stored")
     return True
+
+
+def _fail_held(study: optuna.Study, trial: optuna.Trial, status: str, reason: str | None = None) -> None:
+    """Tell a trial this process holds as FAIL, unmeasured (`status`: interrupted, surplus). One that
+    is finished already (told before the interrupt, or by another worker) is left as it is."""
+    with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+        trial.set_user_attr("status", status)
+        if reason:
+            trial.set_user_attr("reason", reason)
+    with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+        study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM (how `tune --workers` stops its workers) as one KeyboardInterrupt, raised
+    outside the `deferred()` sections that ask and tell trials; further signals are ignored while
+    the process tells the trials it holds as FAIL ("interrupted") and exits."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending = self.stopping = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.depth:
+            self.pending = True  # raised when the section ends
+        else:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.pending and not self.depth:
+                self.pending = False
+                raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def handled(self) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM this way inside the block (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.pending = self.stopping = False
+        for sig in old:
+            signal.signal(sig, self._on_signal)
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
+INTERRUPTS = _Interrupts()
 
 
 def hang_timeout_s(cublas_us: float) -> float:
@@ -228,7 +304,11 @@ def hang_timeout_s(cublas_us: float) -> float:
     return max(20.0, cublas_us * 1e-6 * 200_000)
 
 
-NOT_MEASURED = (None, "invalid", "duplicate", "surplus", "interrupted")
+# Never count toward --trials: not evaluated (rejected before nvcc, repeats, handed back).
+NOT_EVALUATED = (None, "invalid", "duplicate", "surplus", "interrupted")
+# Nor measured: a config a replay file has no measurement for ("not_recorded", told as FAIL)
+# spends a trial, as on the GPU it would have been measured, but is never reported as measured.
+NOT_MEASURED = (*NOT_EVALUATED, "not_recorded")
 STALE_PROPOSALS = 200  # this many proposals in a row without a new valid config: the space is spent
 EXPLORE_AFTER = 20     # after this many stale proposals in a row, enqueue a random valid unmeasured config
 
@@ -246,8 +326,14 @@ def random_valid_config(families: list[Family], shape: Shape, target, taken: set
     return None
 
 
-def measured_trials(study: optuna.Study) -> int:
+def evaluated_trials(study: optuna.Study) -> int:
     """Trials that count toward --trials: everything evaluated, not configs rejected before nvcc."""
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.state.is_finished() and t.user_attrs.get("status") not in NOT_EVALUATED)
+
+
+def measured_trials(study: optuna.Study) -> int:
+    """Evaluated trials with a measurement (not a replay file's not-recorded configs): what reports count."""
     return sum(1 for t in study.get_trials(deepcopy=False)
                if t.state.is_finished() and t.user_attrs.get("status") not in NOT_MEASURED)
 
@@ -331,6 +417,13 @@ def open_study(name: str, storage, sampler: optuna.samplers.BaseSampler | None =
         raise UserError(f"cannot open study {name!r} in {storage!r}: {type(exc).__name__}: {exc}") from None
 
 
+def existing_study(name: str, storage: optuna.storages.BaseStorage) -> optuna.Study | None:
+    """The study if the storage holds it, else None; never creates one."""
+    if name not in optuna.get_all_study_names(storage):
+        return None
+    return optuna.load_study(study_name=name, storage=storage)
+
+
 def check_accumulate(space: Space, family_names: list[str], accumulate: str) -> None:
     """Every family must build the problem's accumulator type."""
     cannot = [n for n in family_names if accumulate not in space.family(n).accumulate]
@@ -387,7 +480,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
             for cfg in seed_configs(fam, shape):
                 study.enqueue_trial(trial_params(fam, cfg), skip_if_exists=True)
 
-    progress = Progress(done=measured_trials(study))
+    progress = Progress(done=evaluated_trials(study))
     done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
     if done:
         b = min(done, key=lambda t: t.value)
@@ -418,58 +511,62 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                     last_stale_check = time.perf_counter()
                 # Keep the compile pool fed: ask ahead while the GPU works on the oldest.
                 while want_more() and len(queue) < lookahead:
-                    with warnings.catch_warnings():
-                        # We beat the heartbeat ourselves (Heartbeat), so Optuna's ask-side note is moot.
-                        warnings.simplefilter("ignore", UserWarning)
-                        trial = study.ask()
-                    asks += 1
-                    stale += 1
-                    fam, config = suggest(trial, families)
-                    key = config_key(fam.name, config)
-                    if stale and stale % EXPLORE_AFTER == 0:
-                        # The sampler keeps circling configs we have: steer it with a fresh valid one.
-                        pick = random_valid_config(families, shape, backend.target, claims.keys(), rng)
-                        if pick is None:
-                            stale = STALE_PROPOSALS  # nothing valid is left to try
-                        else:
-                            study.enqueue_trial(trial_params(*pick))
-                    prev = claims.get(key, exclude=trial.number)
-                    if prev is not None:
-                        # Measured, rejected or being measured already: never compile or time it twice.
-                        trial.set_user_attr("status", "duplicate")
-                        trial.set_user_attr("duplicate_of", prev.number)
-                        if prev.state == optuna.trial.TrialState.COMPLETE:
-                            study.tell(trial, prev.value)
-                        elif prev.state == optuna.trial.TrialState.PRUNED:
-                            study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # a repeat of an invalid one
-                        else:
-                            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                        continue
-                    p = prepare(fam, config, shape, backend, pool, accumulate)
-                    p.trial = trial
-                    if p.record.status == "invalid":
-                        _tell(study, trial, p.record)
-                        progress.invalid += 1
-                        continue
-                    stale = 0
-                    queue.append(p)
+                    # Asked, then queued or told within one section: a signal never leaves a
+                    # trial RUNNING between ask and tell (it is raised once the section ends).
+                    with INTERRUPTS.deferred():
+                        with warnings.catch_warnings():
+                            # We beat the heartbeat ourselves (Heartbeat), so Optuna's ask-side note is moot.
+                            warnings.simplefilter("ignore", UserWarning)
+                            trial = study.ask()
+                        asks += 1
+                        stale += 1
+                        fam, config = suggest(trial, families)
+                        key = config_key(fam.name, config)
+                        if stale and stale % EXPLORE_AFTER == 0:
+                            # The sampler keeps circling configs we have: steer it with a fresh valid one.
+                            pick = random_valid_config(families, shape, backend.target, claims.keys(), rng)
+                            if pick is None:
+                                stale = STALE_PROPOSALS  # nothing valid is left to try
+                            else:
+                                study.enqueue_trial(trial_params(*pick))
+                        prev = claims.get(key, exclude=trial.number)
+                        if prev is not None:
+                            # Measured, rejected or being measured already: never compile or time it twice.
+                            trial.set_user_attr("status", "duplicate")
+                            trial.set_user_attr("duplicate_of", prev.number)
+                            if prev.state == optuna.trial.TrialState.COMPLETE:
+                                study.tell(trial, prev.value)
+                            elif prev.state == optuna.trial.TrialState.PRUNED:
+                                study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # a repeat of an invalid one
+                            else:
+                                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                            continue
+                        p = prepare(fam, config, shape, backend, pool, accumulate)
+                        p.trial = trial
+                        if p.record.status == "invalid":
+                            _tell(study, trial, p.record)
+                            progress.invalid += 1
+                            continue
+                        stale = 0
+                        queue.append(p)
                 if not queue:
                     break
-                if measured_trials(study) >= trials:
+                if evaluated_trials(study) >= trials:
                     # Other workers filled the study meanwhile: hand back what we hold, unmeasured.
-                    for q in queue:
-                        assert q.trial is not None
-                        q.trial.set_user_attr("status", "surplus")
-                        study.tell(q.trial, state=optuna.trial.TrialState.FAIL)
-                    queue.clear()
+                    with INTERRUPTS.deferred():
+                        for q in queue:
+                            assert q.trial is not None
+                            _fail_held(study, q.trial, "surplus")
+                        queue.clear()
                     break
                 p = queue[0]
-                rec = finish(p, shape, backend, eval_timeout_s, recorder)
+                rec = finish(p, shape, backend, eval_timeout_s, recorder)  # a signal may stop it here
                 assert p.trial is not None
-                _tell(study, p.trial, rec)
-                queue.popleft()
+                with INTERRUPTS.deferred():
+                    _tell(study, p.trial, rec)
+                    queue.popleft()
                 # Other workers add trials too: the count that stops us is the study's.
-                progress.done = measured_trials(study)
+                progress.done = evaluated_trials(study)
                 since_best += 1
                 if rec.status == "ok" and rec.time_us is not None:
                     if progress.best_us is None or rec.time_us < progress.best_us:
@@ -480,10 +577,9 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                 if on_progress:
                     on_progress(progress, rec)
     except KeyboardInterrupt:
-        for p in queue:
-            if p.trial is not None:
-                p.trial.set_user_attr("status", "interrupted")
-                p.trial.set_user_attr("reason", "interrupted before it was measured")
-                study.tell(p.trial, state=optuna.trial.TrialState.FAIL)
+        with INTERRUPTS.deferred():  # a second signal must not cut this short
+            for p in queue:
+                if p.trial is not None:
+                    _fail_held(study, p.trial, "interrupted", "interrupted before it was measured")
         raise
     return study

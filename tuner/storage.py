@@ -13,6 +13,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
@@ -26,7 +27,28 @@ HEARTBEAT_S = int(os.environ.get("HGEMM_TUNE_HEARTBEAT_S", "10"))
 GRACE_S = int(os.environ.get("HGEMM_TUNE_GRACE_S", "45"))
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
+def storage_file(url: str) -> Path | None:
+    """The file a SQLite or journal URL names (None for servers and in-memory SQLite)."""
+    if url.startswith("journal:"):
+        return Path(url.removeprefix("journal:"))
+    if url.split(":", 1)[0].split("+")[0] != "sqlite":
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except Exception:  # noqa: BLE001 - a malformed URL: open_storage says so
+        return None
+    return Path(database) if database and database != ":memory:" else None
+
+
+def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
+    """create=False (read-only commands, joining a study): a SQLite or journal file that does
+    not exist is an error, not a new empty storage."""
+    path = storage_file(url)
+    if not create and path is not None and not path.is_file():
+        raise UserError(f"cannot open storage {url!r}: no such file {path} (nothing was tuned there; "
+                        "check the path, or run `hgemm-tune tune` with this --storage first)")
     try:
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 
@@ -64,11 +65,20 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
     written.append(_save(fig, out / "roofline.png"))
 
     if "speedup.cublas" in df:
+        from matplotlib.colors import TwoSlopeNorm
+
         ks = sorted(df["K"].unique())
+        # Centred on 1.0 (red: cuBLAS faster, green: ours), clipped at 0.5x / 1.5x, with the
+        # value in each cell: a 3% win and a 3% loss must not look alike.
+        norm = TwoSlopeNorm(vcenter=1.0, vmin=0.5, vmax=1.5)
         fig, axes = plt.subplots(1, len(ks), figsize=(4 * len(ks), 3.8), squeeze=False, layout="constrained")
         for ax, k in zip(axes[0], ks, strict=True):
             sub = df[df["K"] == k].pivot_table(index="M", columns="N", values="speedup.cublas")
-            im = ax.imshow(sub.values, cmap="RdYlGn", vmin=0, vmax=2, origin="lower")
+            im = ax.imshow(sub.values, cmap="RdYlGn", norm=norm, origin="lower")
+            if sub.size <= 100:
+                for (i, j), v in np.ndenumerate(sub.values):
+                    if np.isfinite(v):
+                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
             ax.set_xticks(range(len(sub.columns)), [str(c) for c in sub.columns], rotation=45)
             ax.set_yticks(range(len(sub.index)), [str(i) for i in sub.index])
             ax.set_xlabel("N")
@@ -78,17 +88,26 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
         fig.suptitle("Speedup over cuBLAS by M x N" + tag)
         written.append(_save(fig, out / "speedup_heatmap.png"))
 
-    knob_pairs = [("knob.BM", "M"), ("knob.BN", "N"), ("knob.STAGES", "K")]
-    present = [(k, d) for k, d in knob_pairs if k in df]
+    # The winners' tile and stage choices against the shape (as the CUDA-L2 paper plots
+    # them); the families name their tile knobs differently (BM / TILE_M).
+    knob_pairs = [(("knob.BM", "knob.TILE_M"), "tile M", "M"), (("knob.BN", "knob.TILE_N"), "tile N", "N"),
+                  (("knob.STAGES",), "stages", "K")]
+    present = []
+    for names, label, dim in knob_pairs:
+        cols_here = [c for c in names if c in df]
+        if cols_here:
+            values = df[cols_here].bfill(axis=1).iloc[:, 0]
+            present.append((values, label, dim))
     if present:
         fig, axes = plt.subplots(1, len(present), figsize=(4 * len(present), 3.5), squeeze=False)
-        for ax, (knob, dim) in zip(axes[0], present, strict=True):
-            sub = df.dropna(subset=[knob])
-            ax.scatter(sub[dim], sub[knob], alpha=0.7)
+        for ax, (values, label, dim) in zip(axes[0], present, strict=True):
+            pts = pd.DataFrame({"x": df[dim], "y": values}).dropna()
+            counts = pts.value_counts().reset_index(name="n")  # overlapping winners: bigger dots
+            ax.scatter(counts["x"], counts["y"], s=25 * counts["n"], alpha=0.7)
             ax.set_xscale("log", base=2)
             ax.set_xlabel(dim)
-            ax.set_ylabel(knob.removeprefix("knob."))
-        fig.suptitle("Knobs of the winners" + tag)
+            ax.set_ylabel(label)
+        fig.suptitle("Knobs of the winners (dot area: number of shapes)" + tag)
         written.append(_save(fig, out / "winner_knobs.png"))
 
     cols = ["shape", "family", "time_us", "tflops", "roofline_fraction"] + [f"speedup.{b}" for b in bases]

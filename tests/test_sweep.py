@@ -48,6 +48,9 @@ def test_interrupted_sweep_resumes_without_repeating_or_losing(tmp_path):
         assert set(before.get(shape, [])) <= set(trials), f"{shape}: finished trials lost or changed"
     data = json.loads((tmp_path / "best.json").read_text())
     assert {e["shape"] for e in data["entries"]} == shapes and data["simulated"]
+    # The summary names the export's pick: ours only where it beat cuBLAS.
+    ours = sum(e["pick"] != "cublas" for e in data["entries"])
+    assert f"our kernel is the pick for {ours} of {len(shapes)} shapes" in " ".join((res.stdout + res.stderr).split())
     # A finished sweep re-run does no work.
     again = subprocess.run(sweep_args(tmp_path, 10), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and measured(tmp_path) == after

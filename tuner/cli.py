@@ -472,18 +472,24 @@ def sweep(
                 st.set_user_attr("sweep_done_trials", trials_per_shape)
             done_studies.append(st)
             bar.advance(over)
-    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "trials",
+    data = export_studies(done_studies)
+    # The export's pick: our kernel only where it beat the vendor library, else cuBLAS.
+    picks = {e.get("shape"): e.get("pick") for e in data.get("entries", [])}
+    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "pick", "trials",
                   title="sweep" + ("  [SIMULATED]" if be.simulated else ""))
     for st in done_studies:
         b = best_trial(st)
         a = b.user_attrs if b else {}
-        table.add_row(st.user_attrs.get("shape", "?"), a.get("family", "-"), _fmt(b.value if b else None, ".2f"),
+        shp_s = st.user_attrs.get("shape", "?")
+        table.add_row(shp_s, a.get("family", "-"), _fmt(b.value if b else None, ".2f"),
                       _fmt(a.get("tflops"), ".1f"), _fmt(a.get("cublas_us"), ".2f"),
-                      _fmt(a.get("speedup_cublas"), ".3f"), str(measured_trials(st)))
+                      _fmt(a.get("speedup_cublas"), ".3f"), str(picks.get(shp_s, "-")), str(measured_trials(st)))
     out_console.print(table)
     for shp_s, why in skipped:
         console.print(f"[yellow]skipped {shp_s}[/]: {why}")
-    data = export_studies(done_studies)
+    ours = sum(1 for p in picks.values() if p not in (None, "cublas"))
+    if picks:
+        console.print(f"our kernel is the pick for {ours} of {len(picks)} shapes; cuBLAS for the rest")
     path = write_json(data, Path("runs") / "sweep.json")
     if output:
         write_json(data, output)

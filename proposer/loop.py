@@ -183,7 +183,7 @@ def _evaluate(ctx: _Ctx) -> Outcome:
     what = "a whole template" if prop.whole is not None else f"{len(prop.edits)} SEARCH/REPLACE block(s)"
     say(f"reply: {what} applied; new knob values {new or 'none'}")
     child = dataclasses.replace(fam, name=f"{fam.name}_{ctx.pid.split('-', 1)[1].replace('-', '_')}",
-                                knobs=knobs, templates_dir=ctx.folder)
+                                knobs=knobs, templates_dir=ctx.folder, untrusted=True)
     # The default config, then each new knob value on top of it: all must render, pass and compile.
     configs = [child.defaults()] + [child.defaults() | {k: v} for k, vs in new.items() for v in vs]
     sources = []
@@ -352,7 +352,8 @@ def _publish(ctx: _Ctx, child: Family, new: dict[str, list[Any]], template: str,
     (out / f"{name}.cu.j2").write_text(template)
     raw = yaml.safe_load(ctx.space.path.read_text())["families"][fam.name]
     raw = dict(raw, template=f"../{name}.cu.j2",  # load_space looks in <space dir>/templates/
-               description=f"{fam.description} [version {n}: proposal {ctx.pid}]")
+               description=f"{fam.description} [version {n}: proposal {ctx.pid}]",
+               untrusted=True)  # an LLM wrote it: the tuner renders it only in the bounded child
     raw["knobs"] = {k.name: {"values": list(k.values), "default": k.default, "kind": k.kind}
                     for k in child.knobs.values()}
     (out / f"{name}.yaml").write_text(f"# Family version {name}, accepted from proposal {ctx.pid} "

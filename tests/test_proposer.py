@@ -251,6 +251,7 @@ def test_a_winning_child_becomes_a_family_version(server, tmp_path, study):
 
     fam = load_space(versions / "wmma_v2.yaml").family("wmma_v2")
     assert fam.knobs["UNROLL_HINT"].values == (1, 2)
+    assert fam.untrusted, "an LLM wrote it: the tuner must render it in the bounded child"
     assert "UNROLL_HINT = 2;" in render(fam, fam.defaults() | {"UNROLL_HINT": 2}, "sm_90a")
     assert "round 0" in (tmp_path / out.id / "log.txt").read_text()
     assert snapshot(study) == before

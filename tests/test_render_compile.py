@@ -66,6 +66,28 @@ def test_python_error_inside_a_template_is_a_render_error(space, tmp_path):
     assert render(fam, fam.defaults() | {"PAD": 8}, "sm_90a", templates_dir=tmp_path) == "8\n"
 
 
+def test_untrusted_template_renders_in_the_bounded_child(space, tmp_path):
+    """An LLM-written family (untrusted) whose template builds a 10 GB string fails to render
+    with a clear reason instead of exhausting the tuner (Jinja folds the constant when it
+    compiles the template, so in-process even other knob values would blow up); a benign one
+    gives the same source as an in-process render."""
+    import dataclasses
+
+    from tuner.render import RenderError
+
+    bomb, benign = tmp_path / "bomb", tmp_path / "benign"
+    bomb.mkdir()
+    benign.mkdir()
+    (bomb / "wmma.cu.j2").write_text("{% if PAD == 0 %}{{ 'x' * 10**10 }}{% endif %}pad {{ PAD }}\n")
+    (benign / "wmma.cu.j2").write_text("{{ family }} {{ entry }} {{ arch }} pad {{ PAD }} {{ ACCUM }}\n")
+    fam = dataclasses.replace(space.family("wmma"), untrusted=True)
+    with pytest.raises(RenderError, match="PAD=0.*memory"):
+        render(dataclasses.replace(fam, templates_dir=bomb), fam.defaults() | {"PAD": 0}, "sm_90a")
+    child, trusted = (dataclasses.replace(fam, templates_dir=benign, untrusted=u) for u in (True, False))
+    assert render(child, fam.defaults(), "sm_90a") == render(trusted, fam.defaults(), "sm_90a") == \
+        f"wmma hgemm sm_90a pad {fam.defaults()['PAD']} fp32\n"
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("family, n", [("wmma", 3), ("cute_sm80", 2)])
 def test_sampled_configs_compile(space, h200, tmp_path, family, n):

@@ -42,6 +42,8 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
         raise UserError(f"family {family.name} builds {' and '.join(family.accumulate)} accumulation only, "
                         f"not {accumulate}")
     params = family.compile_config(config)
+    if family.untrusted:
+        return _render_isolated(family, templates_dir or family.templates_dir, arch, accumulate, params)
     try:
         template = make_env(templates_dir or family.templates_dir).get_template(family.template)
     except jinja2.TemplateError as exc:  # missing file, syntax error: no config renders
@@ -53,6 +55,23 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
         where = f"{family.template}:{getattr(exc, 'lineno', None) or '?'}"
         knobs = ", ".join(f"{k}={v}" for k, v in params.items())
         raise RenderError(f"template {where} does not render with {knobs}: {type(exc).__name__}: {exc}") from None
+
+
+def _render_isolated(family: Family, templates_dir: Path, arch: str, accumulate: str, params: dict[str, Any]) -> str:
+    """An LLM-written template: rendered by the proposer's sandboxed child (no loader, bounded
+    time and memory), which gives the same source as `render` for the same variables."""
+    from proposer.validate import render_sandboxed
+
+    path = templates_dir / family.template
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"template {path} cannot be read: {exc.strerror}") from None
+    try:
+        return render_sandboxed(text, dict(family=family.name, entry=ENTRY, arch=arch, ACCUM=accumulate, **params))
+    except ValueError as exc:
+        knobs = ", ".join(f"{k}={v}" for k, v in params.items())
+        raise RenderError(f"template {family.template} (untrusted) with {knobs}: {exc}") from None
 
 
 def source_hash(source: str) -> str:

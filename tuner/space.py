@@ -175,6 +175,9 @@ class Family:
     seeds: list[dict[str, Any]] = field(default_factory=list)  # partial configs a fresh study tries first
     # Accumulator types the template can build (rendered as ACCUM); the problem picks one.
     accumulate: tuple[str, ...] = ("fp32",)
+    # An LLM wrote the template (a proposal, or a version accepted from one): it is rendered in
+    # a child process bounded in time and memory, never in the tuner's own.
+    untrusted: bool = False
 
     @property
     def compile_knobs(self) -> list[Knob]:
@@ -290,13 +293,16 @@ class _Loader:
         keys = ("families", name)
         raw = self.mapping(raw, keys)
         allowed = {"template", "description", "min_arch", "knobs", "derived", "constraints", "launch", "artifact",
-                   "seeds", "accumulate"}
+                   "seeds", "accumulate", "untrusted"}
         extra = set(raw) - allowed
         if extra:
             raise self.fail(keys + (sorted(extra)[0],), f"unknown key; allowed: {', '.join(sorted(allowed))}")
         artifact = raw.get("artifact", "cubin")
         if artifact not in ("cubin", "library"):
             raise self.fail(keys + ("artifact",), f"artifact must be 'cubin' or 'library', got {artifact!r}")
+        untrusted = raw.get("untrusted", False)
+        if not isinstance(untrusted, bool):
+            raise self.fail(keys + ("untrusted",), f"expected true or false, got {untrusted!r}")
         accumulate = raw.get("accumulate", ["fp32"])
         if (not isinstance(accumulate, list) or not accumulate
                 or any(a not in ACCUMULATE for a in accumulate) or len(set(accumulate)) != len(accumulate)):
@@ -367,7 +373,7 @@ class _Loader:
         return Family(name=str(name), template=template_path.name, description=str(raw.get("description", "")),
                       min_arch=min_arch, knobs=knobs, derived=derived,
                       constraints=constraints, launch=launch, templates_dir=template_path.parent,
-                      artifact=artifact, seeds=seeds, accumulate=tuple(accumulate))
+                      artifact=artifact, seeds=seeds, accumulate=tuple(accumulate), untrusted=untrusted)
 
     def shapes(self, raw: Any) -> dict[str, list[Shape]]:
         """Named shape lists: MxNxK strings, {grid: {M: [...], N: [...], K: [...]}},

@@ -506,8 +506,13 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     try:
         with Heartbeat(backing, held):
             while True:
+                # Every storage call runs inside INTERRUPTS.deferred(): a KeyboardInterrupt raised
+                # mid-transaction leaves the SQLite connection holding its lock (SQLAlchemy rolls
+                # back on its own errors only), and then the FAIL "interrupted" writes below wait
+                # on that lock until the parent kills us (seen in CI: 16 trials left RUNNING).
                 if time.perf_counter() - last_stale_check > 30:
-                    fail_stale()  # a worker that died mid-study: its trials go back to the queue
+                    with INTERRUPTS.deferred():
+                        fail_stale()  # a worker that died mid-study: its trials go back to the queue
                     last_stale_check = time.perf_counter()
                 # Keep the compile pool fed: ask ahead while the GPU works on the oldest.
                 while want_more() and len(queue) < lookahead:
@@ -551,13 +556,15 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                         queue.append(p)
                 if not queue:
                     break
-                if evaluated_trials(study) >= trials:
-                    # Other workers filled the study meanwhile: hand back what we hold, unmeasured.
-                    with INTERRUPTS.deferred():
+                with INTERRUPTS.deferred():
+                    filled = evaluated_trials(study) >= trials
+                    if filled:
+                        # Other workers filled the study meanwhile: hand back what we hold, unmeasured.
                         for q in queue:
                             assert q.trial is not None
                             _fail_held(study, q.trial, "surplus")
                         queue.clear()
+                if filled:
                     break
                 p = queue[0]
                 rec = finish(p, shape, backend, eval_timeout_s, recorder)  # a signal may stop it here
@@ -565,8 +572,8 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                 with INTERRUPTS.deferred():
                     _tell(study, p.trial, rec)
                     queue.popleft()
-                # Other workers add trials too: the count that stops us is the study's.
-                progress.done = evaluated_trials(study)
+                    # Other workers add trials too: the count that stops us is the study's.
+                    progress.done = evaluated_trials(study)
                 since_best += 1
                 if rec.status == "ok" and rec.time_us is not None:
                     if progress.best_us is None or rec.time_us < progress.best_us:

@@ -19,7 +19,7 @@ from proposer.edits import EditError, apply, parse_reply
 from proposer.validate import render_sandboxed, static_check
 from tuner.compile import CompilePool
 from tuner.errors import UserError
-from tuner.render import ENTRY
+from tuner.render import template_vars
 from tuner.shapes import Shape, parse_shape
 from tuner.space import Family, Knob, Space
 
@@ -188,11 +188,9 @@ def _evaluate(ctx: _Ctx) -> Outcome:
     configs = [child.defaults()] + [child.defaults() | {k: v} for k, vs in new.items() for v in vs]
     sources = []
     for cfg in configs:
-        # The variables tuner.render passes (fp32 accumulation: the problem proposals are judged on).
-        params = {"family": child.name, "entry": ENTRY, "arch": ctx.arch, "ACCUM": "fp32",
-                  **child.compile_config(cfg)}
+        # fp32 accumulation: the problem proposals are judged on.
         try:
-            source = render_sandboxed(template, params)
+            source = render_sandboxed(template, template_vars(child, cfg, ctx.arch, "fp32"))
         except ValueError as exc:
             status = "sandbox" if "sandbox" in str(exc) else "render_error"
             return ctx.out(status, f"{_changed(child, cfg)}: {exc}")

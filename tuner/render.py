@@ -30,6 +30,15 @@ def make_env(templates_dir: Path) -> SandboxedEnvironment:
     )
 
 
+def template_vars(family: Family, config: dict[str, Any], arch: str, accumulate: str) -> dict[str, Any]:
+    """Everything a template sees: its compile-time knobs, the problem's ACCUM, and who it is for."""
+    return dict(family=family.name, entry=ENTRY, arch=arch, ACCUM=accumulate, **family.compile_config(config))
+
+
+def _knob_list(family: Family, config: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in family.compile_config(config).items())
+
+
 def template_hash(family: Family) -> str:
     return hashlib.sha256((family.templates_dir / family.template).read_bytes()).hexdigest()[:16]
 
@@ -41,23 +50,22 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
     if accumulate not in family.accumulate:
         raise UserError(f"family {family.name} builds {' and '.join(family.accumulate)} accumulation only, "
                         f"not {accumulate}")
-    params = family.compile_config(config)
     if family.untrusted:
-        return _render_isolated(family, templates_dir or family.templates_dir, arch, accumulate, params)
+        return _render_isolated(family, config, templates_dir or family.templates_dir, arch, accumulate)
     try:
         template = make_env(templates_dir or family.templates_dir).get_template(family.template)
     except jinja2.TemplateError as exc:  # missing file, syntax error: no config renders
         where = f"{family.template}:{getattr(exc, 'lineno', '?')}"
         raise UserError(f"template {where} does not render: {type(exc).__name__}: {exc}") from None
     try:
-        return template.render(family=family.name, entry=ENTRY, arch=arch, ACCUM=accumulate, **params)
+        return template.render(**template_vars(family, config, arch, accumulate))
     except Exception as exc:  # noqa: BLE001 - Jinja errors, and Python ones raised inside it (`{{ 1 // X }}`, X=0)
         where = f"{family.template}:{getattr(exc, 'lineno', None) or '?'}"
-        knobs = ", ".join(f"{k}={v}" for k, v in params.items())
-        raise RenderError(f"template {where} does not render with {knobs}: {type(exc).__name__}: {exc}") from None
+        raise RenderError(f"template {where} does not render with {_knob_list(family, config)}: "
+                          f"{type(exc).__name__}: {exc}") from None
 
 
-def _render_isolated(family: Family, templates_dir: Path, arch: str, accumulate: str, params: dict[str, Any]) -> str:
+def _render_isolated(family: Family, config: dict[str, Any], templates_dir: Path, arch: str, accumulate: str) -> str:
     """An LLM-written template: rendered by the proposer's sandboxed child (no loader, bounded
     time and memory), which gives the same source as `render` for the same variables."""
     from proposer.validate import render_sandboxed
@@ -68,10 +76,9 @@ def _render_isolated(family: Family, templates_dir: Path, arch: str, accumulate:
     except OSError as exc:
         raise UserError(f"template {path} cannot be read: {exc.strerror}") from None
     try:
-        return render_sandboxed(text, dict(family=family.name, entry=ENTRY, arch=arch, ACCUM=accumulate, **params))
+        return render_sandboxed(text, template_vars(family, config, arch, accumulate))
     except ValueError as exc:
-        knobs = ", ".join(f"{k}={v}" for k, v in params.items())
-        raise RenderError(f"template {family.template} (untrusted) with {knobs}: {exc}") from None
+        raise RenderError(f"template {family.template} (untrusted) with {_knob_list(family, config)}: {exc}") from None
 
 
 def source_hash(source: str) -> str:

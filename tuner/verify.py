@@ -3,8 +3,8 @@
 Each check draws fresh inputs, poisons C with NaN, launches, then checks:
 - exact:      0/1 inputs; every output whose true value is below 2048 must match exactly;
 - random:     N(0,1) inputs; error against an fp32 reference within a small factor of
-              cuBLAS's own error on the same inputs (with fp16 accumulation, or within the
-              error model of fp16 accumulation, whichever is larger: see random_tolerance);
+              cuBLAS's own error on the same inputs (with fp16 accumulation: or within the
+              error model of an fp16 accumulator, whichever is larger; see random_tolerance);
 - accumulate: A = 1, B = 1 + 2^-10, K >= 2048: the exact sum is only reachable with fp32
               accumulation (fp16 accumulation drops the 2^-10 terms once the sum passes 2048);
 - every check: no NaN left in C (all of it written), guard bands around A, B, C unchanged.

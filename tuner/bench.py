@@ -272,7 +272,7 @@ def records_from_study(study) -> list[dict]:
     """Replay records (and one baseline per shape) from the real trials of a study."""
     from tuner.search import NOT_MEASURED  # search imports this module: import here
 
-    skip = (*NOT_MEASURED, "compile_error", "not_recorded")  # nothing was measured on a GPU
+    skip = (*NOT_MEASURED, "compile_error")  # nothing was measured on a GPU (NOT_MEASURED has not_recorded)
     shape = study.user_attrs.get("shape")
     acc = study.user_attrs.get("accumulate", "fp32")
     tag = {} if acc == "fp32" else {"accumulate": acc}

@@ -100,7 +100,7 @@ def _new_knobs(fam: Family, raw: dict[str, Any]) -> tuple[dict[str, Knob], dict[
 
 
 def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds: int, candidates: int,
-               out_dir: Path, backend=None, arch: str = "sm_90a", trials: int = 12, storage: str | None = None,
+               out_dir: Path, backend=None, arch: str = "sm_90a", trials: int = 12,
                evidence: list[str] | None = None, versions_dir: Path | None = None,
                log: Callable[[str], None] | None = None) -> list[Outcome]:
     """Ask, validate and (with a backend) evaluate `rounds` x `candidates` proposals against the
@@ -128,7 +128,7 @@ def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds
                 outcomes.append(outcome)
                 return outcomes  # no endpoint: nothing more to ask this run
             (folder / "reply.txt").write_text(reply)
-            ctx = _Ctx(space, fam, parent, pid, r, folder, shapes, backend, arch, trials, storage, say,
+            ctx = _Ctx(space, fam, parent, pid, r, folder, shapes, backend, arch, trials, say,
                        versions_dir or fam.templates_dir, prompt, reply)
             outcome = _evaluate(ctx)
             _save(folder, outcome, say)
@@ -149,7 +149,6 @@ class _Ctx:
     backend: Any
     arch: str
     trials: int
-    storage: str | None
     say: Callable[[str], None]
     versions_dir: Path
     prompt: str
@@ -256,7 +255,7 @@ def _tune_against_parent(ctx: _Ctx, child: Family, new: dict[str, list[Any]], te
 
     fam, backend = ctx.fam, ctx.backend
     trial_space = Space(ctx.space.path, {fam.name: fam, child.name: child}, {})
-    storage = ctx.storage or f"sqlite:///{ctx.folder}/study.db"
+    storage = f"sqlite:///{ctx.folder}/study.db"  # the short tunes' own studies, beside the proposal
     wins, rows = 0, []
     for shape in ctx.shapes:
         pst = tune(trial_space, [fam.name], shape, backend, trials=ctx.trials, storage=storage, pool=pool)

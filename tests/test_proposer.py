@@ -373,7 +373,7 @@ def test_a_child_failing_to_render_at_some_knob_values_fails_that_trial_only(tmp
     (tmp_path / fam.template).write_text(template)
     child = dataclasses.replace(fam, name="wmma_child", knobs=knobs, templates_dir=tmp_path)
     ctx = _Ctx(space, fam, WMMA, "wmma-test-r0c0", 0, tmp_path, [parse_shape("256x256x256")], StandIn(1.0),
-               "sm_90a", 4, None, lambda line: None, tmp_path / "versions", "", "")
+               "sm_90a", 4, lambda line: None, tmp_path / "versions", "", "")
     out = _tune_against_parent(ctx, child, new, template, None, {})
     assert out.status == "rejected", out
     failed = [t for st in load_studies(f"sqlite:///{tmp_path}/study.db") for t in st.get_trials()

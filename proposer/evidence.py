@@ -5,7 +5,6 @@ cuBLAS, and its latest compile and verification errors."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -25,12 +24,10 @@ def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: 
     """Prompt sections (each a few lines) about `family`; empty when the storage holds nothing on it."""
     from tuner.export import entry, load_studies
 
-    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
-        return []  # opening a missing SQLite file would create it: nothing was measured there
     try:
-        studies = load_studies(storage)
+        studies = load_studies(storage)  # read only: a missing storage file is an error, never created
     except UserError:
-        return []
+        return []  # nothing was measured there
     best: dict[str, dict[str, Any]] = {}
     errors: list[tuple[Any, str, dict[str, Any]]] = []
     for st in studies:

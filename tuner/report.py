@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from tuner.benchmark import geomean
 
 
 def frame(data: dict[str, Any]) -> pd.DataFrame:
@@ -23,11 +24,6 @@ def frame(data: dict[str, Any]) -> pd.DataFrame:
             row[f"knob.{knob}"] = value
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def geomean(values) -> float:
-    vals = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
 
 
 def write_report(data: dict[str, Any], out: Path) -> list[Path]:
@@ -113,7 +109,7 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
     cols = ["shape", "family", "time_us", "tflops", "roofline_fraction"] + [f"speedup.{b}" for b in bases]
     table = df[cols].sort_values("shape").to_markdown(index=False, floatfmt=".3f") if _has_tabulate() else \
         df[cols].sort_values("shape").to_string(index=False)
-    geo = ", ".join(f"{b}: {geomean(df[f'speedup.{b}']):.3f}x" for b in bases)
+    geo = ", ".join(f"{b}: {geomean(list(df[f'speedup.{b}'])) or float('nan'):.3f}x" for b in bases)
     md = out / "report.md"
     md.write_text(f"# hgemm-tune report{tag}\n\nGeomean speedup: {geo}\n\n{table}\n")
     written.append(md)

@@ -87,9 +87,12 @@ def main() -> None:
     target = backend.target
     rows = []
     t0 = time.perf_counter()
+    # Phase 1: tune (unless --trials 0) and pick every shape's bests, starting their builds
+    # at once so that nvcc runs on every core while earlier shapes tune or are timed.
+    picked = []  # (shape, {family: (compile future, variant, full config)})
     for shape_s in args.shapes.split(","):
         shape = parse_shape(shape_s)
-        candidates, configs = {}, {}
+        builds = {}
         for fam_name in args.families.split(","):
             fam = space.family(fam_name)
             if args.trials > 0:
@@ -102,11 +105,25 @@ def main() -> None:
                 rows.append((shape, fam_name, None, None, None, "no verified kernel"))
                 continue
             a = best.user_attrs
-            full = fam.complete(a["config"] | a["variant"])
-            cres = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact).result()
-            candidates[fam_name] = {"cubin": cres.cubin, "variant": a["variant"],
-                                    "launch": launch_spec(fam, full, shape, target)}
+            # Studies from older space files may hold knobs since retired (ACCUM became the
+            # problem's --accumulate): keep the knobs the family has now.
+            full = fam.complete({k: v for k, v in (a["config"] | a["variant"]).items() if k in fam.knobs})
+            future = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact)
+            builds[fam_name] = (future, a["variant"], full)
+        picked.append((shape, builds))
+    # Phase 2: verify again and time each shape's bests against the vendor libraries.
+    for shape, builds in picked:
+        candidates, configs = {}, {}
+        for fam_name, (future, variant, full) in builds.items():
+            cres = future.result()
+            if not cres.ok:
+                rows.append((shape, fam_name, None, None, None, f"build failed: {(cres.error or '')[:200]}"))
+                continue
+            candidates[fam_name] = {"cubin": cres.cubin, "variant": variant,
+                                    "launch": launch_spec(space.family(fam_name), full, shape, target)}
             configs[fam_name] = full
+        if not candidates:
+            continue
         reply = backend.compare(shape, candidates)
         if reply.get("status") != "ok":
             rows.append((shape, "-", None, None, None, f"compare failed: {reply.get('reason')}"))

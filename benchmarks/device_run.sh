@@ -45,6 +45,9 @@ for step in "$@"; do
             --record "$OUT/replay_4096x4096x8192.jsonl" -o "$OUT/best_4096x4096x8192.json" 2>&1 \
             | tee "$OUT/tune.log" | grep -v "tuning" | tail -30 ;;
     bench) timeout "$(cap 540)" python3 benchmarks/bench_families.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
+    readbw) # the read-bandwidth ceiling of the skinny shapes' big operands (benchmarks/read_bandwidth.cu)
+            nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/read_bw benchmarks/read_bandwidth.cu \
+              && timeout "$(cap 120)" /tmp/read_bw 2>&1 | tee "$OUT/read_bandwidth.log" ;;
     doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
     broken) timeout "$(cap ${BROKEN_TIMEOUT:-300})" python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
               --space tests/data/space_broken.yaml --seed 0 --storage sqlite:///runs/broken.db 2>&1 \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,24 @@ def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
     pool.close()
     assert rec.status == "ok", rec.reason
     assert rec.tflops and rec.tflops < backend.target.peak_tflops
+
+
+def test_cute_sm90_split_k_variants_verify_on_tails(space, backend):
+    """Every stream-K / split-K variant of one library, both reduction orders, passes the
+    random check on a tail shape (the worker checks each run-time variant) and is timed."""
+    from tuner.compile import CompilePool
+
+    fam = space.family("cute_sm90")
+    config = fam.compile_config(fam.complete({"TILE_N": 64, "SCHEDULER": "streamk", "STAGES": 8, "CLUSTER_M": 1}))
+    shape = parse_shape("333x200x4096")  # 3x4 tiles of 128x64: split-K up to 16 is allowed
+    pool = CompilePool(2)
+    rec = finish(prepare(fam, config, shape, backend, pool), shape, backend, 120)
+    pool.close()
+    assert rec.status == "ok", rec.reason
+    timed = [json.loads(k) for k in rec.variant_times_us]
+    for decomp in ("stream_k", "split_2", "split_16"):
+        for reduction in ("deterministic", "nondeterministic"):
+            assert any(v["DECOMP"] == decomp and v["REDUCTION"] == reduction for v in timed), (decomp, reduction)
 
 
 @pytest.mark.parametrize("shape_s", ["333x200x1000", "512x384x4096"])

@@ -252,20 +252,22 @@ class LibraryCandidate(Candidate):
     RASTER = {"heuristic": 0, "along_m": 1, "along_n": 2}
     # DECOMP -> the library's `splits`: 0 stream-K, 1 data-parallel, n > 1 split-K in n.
     DECOMP = {"stream_k": 0, "data_parallel": 1} | {f"split_{n}": n for n in (2, 3, 4, 8, 16)}
+    REDUCTION = {"deterministic": 0, "nondeterministic": 1}
 
     def __init__(self, path: str, launch: dict[str, Any]):
         i, p = ctypes.c_int, ctypes.c_void_p
         self.lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
-        self.lib.hgemm_run.argtypes = [p, p, p, i, i, i, i, i, i, i, p, p]
+        self.lib.hgemm_run.argtypes = [p, p, p, i, i, i, i, i, i, i, i, p, p]
         self.lib.hgemm_run.restype = i
-        self.lib.hgemm_workspace.argtypes = [i] * 7
+        self.lib.hgemm_workspace.argtypes = [i] * 8
         self.lib.hgemm_workspace.restype = ctypes.c_size_t
         self.sm_count = int(launch["sm_count"])
         self.workspace = None
 
-    def _args(self, variant: dict[str, Any]) -> tuple[int, int, int]:
+    def _args(self, variant: dict[str, Any]) -> tuple[int, int, int, int]:
         return (self.RASTER[variant.get("RASTER", "heuristic")], int(variant.get("SWIZZLE", 1)),
-                self.DECOMP[variant.get("DECOMP", "data_parallel")])
+                self.DECOMP[variant.get("DECOMP", "data_parallel")],
+                self.REDUCTION[variant.get("REDUCTION", "deterministic")])
 
     def reserve(self, M: int, N: int, K: int, variants: list[dict[str, Any]]) -> None:
         """One workspace (stream-K / split-K partials) big enough for every variant."""

@@ -48,6 +48,19 @@ for step in "$@"; do
     readbw) # the read-bandwidth ceiling of the skinny shapes' big operands (benchmarks/read_bandwidth.cu)
             nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/read_bw benchmarks/read_bandwidth.cu \
               && timeout "$(cap 120)" /tmp/read_bw 2>&1 | tee "$OUT/read_bandwidth.log" ;;
+    ncu) # DRAM and L2 bytes and throughput of session 5's best skinny kernels and of cuBLAS's
+         NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+         METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
+         METRICS=$METRICS,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
+         declare -A CASES=(
+           [16384x128x4096]='{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER_N":2,"SCHEDULER":"streamk","RASTER":"along_n"}'
+           [128x16384x16384]='{"TILE_M":64,"TILE_N":256,"STAGES":5,"CLUSTER_M":1,"SCHEDULE":"pingpong","RASTER":"along_m","SWIZZLE":8}')
+         for s in "${!CASES[@]}"; do python3 benchmarks/ncu_probe.py --shape "$s" --config "${CASES[$s]}" --build-only & done; wait
+         for s in "${!CASES[@]}"; do
+           timeout "$(cap 120)" "$NCU" --clock-control none --csv --metrics "$METRICS" \
+             python3 benchmarks/ncu_probe.py --shape "$s" --config "${CASES[$s]}" > "$OUT/ncu_$s.csv" 2>&1
+           grep -v '"curand\|"generate' "$OUT/ncu_$s.csv" | cut -c1-400 | tail -30
+         done ;;
     doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
     broken) timeout "$(cap ${BROKEN_TIMEOUT:-300})" python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
               --space tests/data/space_broken.yaml --seed 0 --storage sqlite:///runs/broken.db 2>&1 \

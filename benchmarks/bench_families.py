@@ -105,9 +105,7 @@ def main() -> None:
                 rows.append((shape, fam_name, None, None, None, "no verified kernel"))
                 continue
             a = best.user_attrs
-            # Studies from older space files may hold knobs since retired (ACCUM became the
-            # problem's --accumulate): keep the knobs the family has now.
-            full = fam.complete({k: v for k, v in (a["config"] | a["variant"]).items() if k in fam.knobs})
+            full = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
             future = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact)
             builds[fam_name] = (future, a["variant"], full)
         picked.append((shape, builds))

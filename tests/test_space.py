@@ -162,3 +162,12 @@ def test_bad_accumulate_list_names_the_key(tmp_path):
 def test_expressions_cannot_exhaust_memory_or_time(bomb):
     with pytest.raises(UserError, match="failed"):
         Expr(bomb).eval({"BM": 64})
+
+
+def test_stored_configs_drop_the_retired_accum_knob_only(space):
+    """Studies and exports from before ACCUM became --accumulate still load; any other
+    unknown knob is still refused."""
+    sm90 = space.family("cute_sm90")
+    assert sm90.complete_stored({"ACCUM": "fp32", "TILE_N": 128}) == sm90.complete({"TILE_N": 128})
+    with pytest.raises(UserError, match="unknown knob"):
+        sm90.complete_stored({"ACCUM": "fp32", "BOGUS": 1})

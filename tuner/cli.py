@@ -573,7 +573,7 @@ def show(
                         + (f"trial {trial} (a duplicate or interrupted trial)" if trial is not None else "its best"))
     a = t.user_attrs
     fam = load_space(space_file).family(a["family"])
-    source = render_source(fam, fam.complete(a["config"]), st.user_attrs["target"]["arch"],
+    source = render_source(fam, fam.complete_stored(a["config"]), st.user_attrs["target"]["arch"],
                            accumulate=st.user_attrs.get("accumulate", "fp32"))
     if a.get("source_hash") and source_hash(source) != a["source_hash"]:
         console.print("[yellow]warning[/]: the template changed since this trial ran; this is today's rendering")

@@ -46,9 +46,7 @@ def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
     from tuner.search import launch_spec
 
     fam = space.family(entry["family"])
-    # Exports before 2026-12-03 carried the accumulator as a knob (ACCUM); it is the entry's
-    # `accumulate` now.
-    config = fam.complete({k: v for k, v in entry["knobs"].items() if k in fam.knobs or k != "ACCUM"})
+    config = fam.complete_stored(entry["knobs"])  # older exports carry ACCUM: it is `accumulate` now
     shape = parse_shape(entry["shape"])
     changed = bool(entry.get("template_hash")) and template_hash(fam) != entry["template_hash"]
     return EntryBuild(family=fam.name, template=fam.template, config=config,

@@ -28,6 +28,9 @@ KNOB_KINDS = ("compile", "runtime")
 # fp32: fp32 accumulators (the default problem); fp16: fp16 accumulators, a different problem
 # compared only with cuBLAS in fp16 compute mode.
 ACCUMULATE = ("fp32", "fp16")
+# Knobs that studies and exports written before 2026-12-03 may hold: ACCUM became the
+# problem's --accumulate (an export entry's `accumulate`).
+RETIRED_KNOBS = ("ACCUM",)
 
 def _bounded(op, limit: int = 64):
     """`**` and `<<` with the exponent or shift capped: an expression (perhaps written by an
@@ -201,6 +204,11 @@ class Family:
             if value not in self.knobs[name].values:
                 raise UserError(f"family {self.name}: {name}={value!r} is not one of {list(self.knobs[name].values)}")
         return full
+
+    def complete_stored(self, config: dict[str, Any]) -> dict[str, Any]:
+        """`complete` for a config read back from a study or an export, which may hold a knob
+        the space has since retired (RETIRED_KNOBS); any other unknown knob is still an error."""
+        return self.complete({k: v for k, v in config.items() if k not in RETIRED_KNOBS})
 
     def env(self, config: dict[str, Any], shape: Shape, target: Target) -> dict[str, Any]:
         env: dict[str, Any] = dict(config)

@@ -7,6 +7,9 @@ config, then verifies again and times all families' bests, cuBLAS, cuBLASLt's he
 pick and cuBLASLt autotuned (fastest of its top 16 on the shape) interleaved in random
 order (CUDA-graph replays, median). Prints a markdown table with TFLOP/s and ratios, and
 writes it to DIR/bench_families.md. --trials 0 skips tuning and re-measures the stored bests.
+--variant KNOB=VALUE[,KNOB=VALUE] (repeatable) adds, for each shape, the best config with those
+knobs changed as one more contender in the same timing run: an A/B test of a kernel change on
+the configs that won without it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from tuner.export import best_per_family, load_studies
 from tuner.render import render
 from tuner.search import launch_spec, tune
 from tuner.shapes import parse_shape
-from tuner.space import load_space
+from tuner.space import UserError, load_space
 
 # Issue 3's shapes: big squares, skinny (M or N <= 256) and odd sizes (tails).
 SHAPES = ("4096x4096x8192,8192x8192x8192,16384x16384x16384,1024x1024x1024,256x4096x4096,64x8192x4096,"
@@ -41,6 +44,19 @@ def best_of_family(storage: str, shape: str, family: str):
         if t is not None and (best is None or t.value < best.value):
             best = t
     return best
+
+
+def parse_overrides(text: str) -> dict:
+    """'K_START=staggered,L2_HINT=stream_a' -> {'K_START': 'staggered', 'L2_HINT': 'stream_a'}
+    (values that read as integers become integers, as in space.yaml)."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--variant {text!r}: expected KNOB=VALUE[,KNOB=VALUE], got {part!r}")
+        value = value.strip()
+        out[name.strip()] = int(value) if value.lstrip("-").isdigit() else value
+    return out
 
 
 def table(rows: list, target) -> str:
@@ -76,6 +92,8 @@ def main() -> None:
     ap.add_argument("--storage", default="sqlite:///runs/hgemm.db")
     ap.add_argument("--out", default="runs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE]",
+                    help="also time each family's best with these knobs changed (repeatable)")
     ap.add_argument("--time-per-family", type=float, default=40.0,
                     help="seconds of search per (shape, cute family); wmma gets a third")
     args = ap.parse_args()
@@ -108,6 +126,16 @@ def main() -> None:
             full = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
             future = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact)
             builds[fam_name] = (future, a["variant"], full)
+            for text in args.variant:
+                try:
+                    changed = fam.complete(full | parse_overrides(text))
+                except UserError as e:
+                    raise SystemExit(f"--variant {text!r}: {e}") from None
+                if changed == full or fam.violations(changed, shape, target):
+                    continue  # the best already has these values, or they cannot run this shape
+                runtime = {k.name: changed[k.name] for k in fam.runtime_knobs}
+                future = pool.submit(render(fam, changed, target.arch), target.arch, fam.artifact)
+                builds[f"{fam_name}+{text}"] = (future, runtime, changed)
         picked.append((shape, builds))
     # Phase 2: verify again and time each shape's bests against the vendor libraries.
     for shape, builds in picked:
@@ -117,8 +145,9 @@ def main() -> None:
             if not cres.ok:
                 rows.append((shape, fam_name, None, None, None, f"build failed: {(cres.error or '')[:200]}"))
                 continue
+            fam = space.family(fam_name.split("+")[0])
             candidates[fam_name] = {"cubin": cres.cubin, "variant": variant,
-                                    "launch": launch_spec(space.family(fam_name), full, shape, target)}
+                                    "launch": launch_spec(fam, full, shape, target)}
             configs[fam_name] = full
         if not candidates:
             continue

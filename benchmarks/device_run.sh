@@ -27,8 +27,12 @@ for step in "$@"; do
     bench90) timeout "$(cap ${BENCH_TIMEOUT:-540})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --time-per-family "${BENCH_TUNE_S:-40}" --trials 200 ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 \
                | tee "$OUT/bench90.log" | tail -16 ;;
-    bench10) timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
-               --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 | tee "$OUT/bench10.log" | tail -16 ;;
+    bench10) # BENCH_VARIANTS='K_START=staggered;L2_HINT=stream_a': A/B contenders (--variant), ';'-separated
+             VARIANT_ARGS=(); IFS=';' read -ra _variants <<< "${BENCH_VARIANTS:-}"
+             for v in "${_variants[@]}"; do VARIANT_ARGS+=(--variant "$v"); done
+             timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
+               --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} \
+               ${BENCH_STORAGE:+--storage $BENCH_STORAGE} "${VARIANT_ARGS[@]}" 2>&1 | tee "$OUT/bench10.log" | tail -40 ;;
     sweep27) # issue 4: sweep the {256,2048,8192}^3 sub-grid, bench its export in both modes, plot
              timeout "$(cap ${SWEEP_TIMEOUT:-400})" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
                --trials-per-shape "${SWEEP_TRIALS:-12}" --budget "${SWEEP_BUDGET:-360}" --seed 0 \

@@ -7,6 +7,8 @@ config, then verifies again and times all families' bests, cuBLAS, cuBLASLt's he
 pick and cuBLASLt autotuned (fastest of its top 16 on the shape) interleaved in random
 order (CUDA-graph replays, median). Prints a markdown table with TFLOP/s and ratios, and
 writes it to DIR/bench_families.md. --trials 0 skips tuning and re-measures the stored bests.
+--pdl adds each library family's best launched with programmatic dependent launch (its
+prologue overlaps the tail of the launch before it in the graph) as one more contender.
 --variant KNOB=VALUE[,KNOB=VALUE] (repeatable) adds, for each shape, the best config with those
 knobs changed as one more contender in the same timing run: an A/B test of a kernel change on
 the configs that won without it.
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--storage", default="sqlite:///runs/hgemm.db")
     ap.add_argument("--out", default="runs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pdl", action="store_true",
+                    help="also time each library family's best launched with programmatic dependent launch")
     ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE]",
                     help="also time each family's best with these knobs changed (repeatable)")
     ap.add_argument("--time-per-family", type=float, default=40.0,
@@ -126,6 +130,8 @@ def main() -> None:
             full = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
             future = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact)
             builds[fam_name] = (future, a["variant"], full)
+            if args.pdl and fam.artifact == "library":
+                builds[f"{fam_name}+PDL"] = (future, a["variant"], full)
             for text in args.variant:
                 try:
                     changed = fam.complete(full | parse_overrides(text))
@@ -146,8 +152,10 @@ def main() -> None:
                 rows.append((shape, fam_name, None, None, None, f"build failed: {(cres.error or '')[:200]}"))
                 continue
             fam = space.family(fam_name.split("+")[0])
-            candidates[fam_name] = {"cubin": cres.cubin, "variant": variant,
-                                    "launch": launch_spec(fam, full, shape, target)}
+            launch = launch_spec(fam, full, shape, target)
+            if fam_name.endswith("+PDL"):
+                launch["pdl"] = True
+            candidates[fam_name] = {"cubin": cres.cubin, "variant": variant, "launch": launch}
             configs[fam_name] = full
         if not candidates:
             continue

@@ -32,7 +32,12 @@ for step in "$@"; do
              for v in "${_variants[@]}"; do VARIANT_ARGS+=(--variant "$v"); done
              timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} \
-               ${BENCH_STORAGE:+--storage $BENCH_STORAGE} "${VARIANT_ARGS[@]}" 2>&1 | tee "$OUT/bench10.log" | tail -40 ;;
+               ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_PDL:+--pdl} "${VARIANT_ARGS[@]}" 2>&1 \
+               | tee "$OUT/bench10.log" | tail -40 ;;
+    pdlprobe) # do cuBLAS / cuBLASLt / torch launch back-to-back GEMMs with PDL? (benchmarks/pdl_probe.py)
+              timeout "$(cap 200)" python3 benchmarks/pdl_probe.py --shape 16384x128x4096 \
+                --config '{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER_N":2,"SCHEDULER":"streamk","RASTER":"along_n"}' \
+                2>&1 | tee "$OUT/pdl_probe.log" | tail -12 ;;
     sweep27) # issue 4: sweep the {256,2048,8192}^3 sub-grid, bench its export in both modes, plot
              timeout "$(cap ${SWEEP_TIMEOUT:-400})" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
                --trials-per-shape "${SWEEP_TRIALS:-12}" --budget "${SWEEP_BUDGET:-360}" --seed 0 \

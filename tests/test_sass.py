@@ -44,6 +44,8 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
         assert ops["HGMMA"] > 0, f"no wgmma in {fam.compile_config(cfg)}: {dict(ops)}"
         assert ops["UTMALDG"] > 0, f"no TMA load in {fam.compile_config(cfg)}: {dict(ops)}"
         assert ops["HMMA"] == 0, "a Hopper kernel fell back to mma.sync"
+        # hgemm_run(pdl=1) is safe only if the kernel waits for its predecessor's memory
+        assert ops["ACQBULK"] > 0, f"no griddepcontrol.wait in {fam.compile_config(cfg)}: PDL would race"
     for cfg, res in zip([default, pingpong], results[:2], strict=True):
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["LDL"] == 0 and ops["STL"] == 0, f"local-memory spills in {fam.compile_config(cfg)}: {dict(ops)}"

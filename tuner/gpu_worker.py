@@ -257,11 +257,13 @@ class LibraryCandidate(Candidate):
     def __init__(self, path: str, launch: dict[str, Any]):
         i, p = ctypes.c_int, ctypes.c_void_p
         self.lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
-        self.lib.hgemm_run.argtypes = [p, p, p, i, i, i, i, i, i, i, i, p, p]
+        self.lib.hgemm_run.argtypes = [p, p, p, i, i, i, i, i, i, i, i, i, p, p]
         self.lib.hgemm_run.restype = i
         self.lib.hgemm_workspace.argtypes = [i] * 8
         self.lib.hgemm_workspace.restype = ctypes.c_size_t
         self.sm_count = int(launch["sm_count"])
+        # Programmatic dependent launch: how the caller launches (launch spec), not a knob.
+        self.pdl = int(bool(launch.get("pdl", False)))
         self.workspace = None
 
     def _args(self, variant: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -279,7 +281,7 @@ class LibraryCandidate(Candidate):
         self.reserve(M, N, K, [variant])
         ws = self.workspace.data.ptr if self.workspace is not None else 0
         rc = self.lib.hgemm_run(A.data.ptr, B.data.ptr, C.data.ptr, M, N, K, *self._args(variant),
-                                self.sm_count, ctypes.c_void_p(ws), ctypes.c_void_p(stream.ptr))
+                                self.pdl, self.sm_count, ctypes.c_void_p(ws), ctypes.c_void_p(stream.ptr))
         if rc == 3:
             raise KernelFault(f"launch failed (library code {rc})")
         if rc:

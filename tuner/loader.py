@@ -57,8 +57,10 @@ def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
 
 
 class Gemm:
-    def __init__(self, path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32"):
+    def __init__(self, path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32",
+                 pdl: bool = False):
         self.data = read_json(path)
+        self.pdl = pdl
         self.space = load_space(space_file)
         # fp16-accumulate entries answer only a loader asked for fp16 accumulation.
         self.accumulate = accumulate
@@ -99,7 +101,8 @@ class Gemm:
         res = compile_source(build.source, target.arch, artifact=build.artifact)
         if not res.ok:
             raise UserError(f"exported kernel for {shape} does not compile: {res.error}")
-        kernel = load_candidate(res.cubin, build.launch)
+        # pdl: library kernels launch with programmatic dependent launch (cubin kernels ignore it)
+        kernel = load_candidate(res.cubin, build.launch | {"pdl": self.pdl})
         self._kernels[key] = (kernel, build.variant)
         return self._kernels[key]
 
@@ -128,7 +131,11 @@ class Gemm:
         return c
 
 
-def load(path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32") -> Gemm:
+def load(path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32",
+         pdl: bool = False) -> Gemm:
     """The exported kernels of `path` as a callable: gemm(A, B) -> C = A @ B.T (fp16).
-    accumulate="fp16" picks the file's fp16-accumulate entries instead."""
-    return Gemm(path, space_file, accumulate)
+    accumulate="fp16" picks the file's fp16-accumulate entries instead. pdl=True launches the
+    Hopper (cute_sm90) kernels with programmatic dependent launch: each may be scheduled while
+    the kernel before it on the stream drains, and waits for that kernel's writes before it
+    touches memory, so it is safe after any kernel."""
+    return Gemm(path, space_file, accumulate, pdl)

@@ -16,7 +16,9 @@ from pathlib import Path
 from tuner.errors import UserError
 
 # Opcode families we care about (the first word of a SASS instruction, before any '.').
-WATCH = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDL", "STL")
+# ACQBULK is griddepcontrol.wait (PDL: wait for the previous kernel's memory), PREEXIT is
+# griddepcontrol.launch_dependents.
+WATCH = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDL", "STL", "ACQBULK", "PREEXIT")
 
 
 def cuobjdump_path() -> str:

@@ -7,8 +7,8 @@ config, then verifies again and times all families' bests, cuBLAS, cuBLASLt's he
 pick and cuBLASLt autotuned (fastest of its top 16 on the shape) interleaved in random
 order (CUDA-graph replays, median). Prints a markdown table with TFLOP/s and ratios, and
 writes it to DIR/bench_families.md. --trials 0 skips tuning and re-measures the stored bests.
---pdl adds each library family's best launched with programmatic dependent launch (its
-prologue overlaps the tail of the launch before it in the graph) as one more contender.
+--pdl adds each library contender (best and variants) once more, launched with programmatic
+dependent launch: its prologue overlaps the tail of the launch before it in the graph.
 --variant KNOB=VALUE[,KNOB=VALUE] (repeatable) adds, for each shape, the best config with those
 knobs changed as one more contender in the same timing run: an A/B test of a kernel change on
 the configs that won without it.
@@ -130,8 +130,6 @@ def main() -> None:
             full = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
             future = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact)
             builds[fam_name] = (future, a["variant"], full)
-            if args.pdl and fam.artifact == "library":
-                builds[f"{fam_name}+PDL"] = (future, a["variant"], full)
             for text in args.variant:
                 try:
                     changed = fam.complete(full | parse_overrides(text))
@@ -142,6 +140,9 @@ def main() -> None:
                 runtime = {k.name: changed[k.name] for k in fam.runtime_knobs}
                 future = pool.submit(render(fam, changed, target.arch), target.arch, fam.artifact)
                 builds[f"{fam_name}+{text}"] = (future, runtime, changed)
+            if args.pdl and fam.artifact == "library":  # the same builds, launched with PDL
+                for name in [n for n in builds if n.split("+")[0] == fam_name]:
+                    builds[f"{name}+PDL"] = builds[name]
         picked.append((shape, builds))
     # Phase 2: verify again and time each shape's bests against the vendor libraries.
     for shape, builds in picked:

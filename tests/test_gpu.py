@@ -140,6 +140,28 @@ def test_cute_sm90_split_k_variants_verify_on_tails(space, backend):
             assert any(v["DECOMP"] == decomp and v["REDUCTION"] == reduction for v in timed), (decomp, reduction)
 
 
+def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(space, backend):
+    """Our producer loop (L2_HINT) computes the multicast masks itself: in a 2x2 cluster both
+    operands are multicast. It must pass the full check on a tail shape, launched plainly and
+    with programmatic dependent launch (same library, same process)."""
+    from tuner.search import launch_spec
+
+    fam = space.family("cute_sm90")
+    full = fam.complete({"TILE_N": 64, "STAGES": 6, "CLUSTER_M": 2, "CLUSTER_N": 2, "L2_HINT": "stream_b"})
+    shape = parse_shape("333x200x1000")
+    assert not fam.violations(full, shape, backend.target)
+    built = compile_source(render(fam, full, "sm_90a"), "sm_90a", artifact=fam.artifact)
+    assert built.ok, built.error
+    variant = {k.name: full[k.name] for k in fam.runtime_knobs}
+    launch = launch_spec(fam, full, shape, backend.target)
+    plain = {"cubin": built.cubin, "variant": variant, "launch": launch}
+    reply = backend.compare(shape, {"plain": plain, "pdl": plain | {"launch": launch | {"pdl": True}}}, torch=False)
+    assert reply["status"] == "ok", reply
+    for name in ("plain", "pdl"):
+        assert reply["verify"][name]["ok"], reply["verify"][name]
+        assert reply["times"][name] > 0
+
+
 @pytest.mark.parametrize("shape_s", ["333x200x1000", "512x384x4096"])
 def test_cute_sm90_fp16_accumulate_verifies_against_cublas_fp16(space, backend, shape_s):
     """--accumulate fp16: the kernel passes exact and random checks against cuBLAS's fp16

@@ -34,7 +34,8 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     assert pingpong["SCHEDULE"] == "pingpong"
     rng = random.Random(7)  # one sampled valid config besides the shipped ones
     while True:
-        sampled = fam.complete({k.name: rng.choice(k.values) for k in fam.compile_knobs})
+        # with an L2 hint, so that our own producer loop (TunedLoadMainloop) is built and read too
+        sampled = fam.complete({k.name: rng.choice(k.values) for k in fam.compile_knobs} | {"L2_HINT": "stream_a"})
         if not fam.violations(sampled, BIG, h200) and sampled not in (default, pingpong):
             break
     results = _compile_all(fam, [default, pingpong, sampled], tmp_path)

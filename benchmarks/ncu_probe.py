@@ -22,6 +22,19 @@ from tuner.space import load_space
 from tuner.target import target_for_arch
 
 
+def build_config(shape_text: str, config_json: str):
+    """One cute_sm90 config for sm_90a, built (or taken from the compile cache):
+    (family, full config, shape, target, build result). Shared with pdl_probe.py."""
+    shape = parse_shape(shape_text)
+    target = target_for_arch("sm_90a")
+    fam = load_space("space.yaml").family("cute_sm90")
+    full = fam.complete(json.loads(config_json))
+    built = compile_source(render(fam, full, target.arch), target.arch, artifact=fam.artifact)
+    if not built.ok:
+        raise SystemExit(f"build failed: {built.error}")
+    return fam, full, shape, target, built
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True)
@@ -30,13 +43,7 @@ def main() -> None:
     ap.add_argument("--build-only", action="store_true", help="compile into the cache and stop (run before profiling)")
     args = ap.parse_args()
     cp = _cp()
-    shape = parse_shape(args.shape)
-    target = target_for_arch("sm_90a")
-    fam = load_space("space.yaml").family("cute_sm90")
-    full = fam.complete(json.loads(args.config))
-    built = compile_source(render(fam, full, target.arch), target.arch, artifact=fam.artifact)
-    if not built.ok:
-        raise SystemExit(f"build failed: {built.error}")
+    fam, full, shape, target, built = build_config(args.shape, args.config)
     if args.build_only:
         return
     sm_count = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 
-from tuner.compile import compile_source
+from ncu_probe import build_config  # this script's folder: the same config build
+
 from tuner.gpu_worker import Buffers, Cublas, CublasLt, _cp, capture_launches, load_candidate
-from tuner.render import render
 from tuner.search import launch_spec
-from tuner.shapes import parse_shape
-from tuner.space import load_space
-from tuner.target import target_for_arch
 
 EDGE_TYPES = {0: "default", 1: "programmatic"}  # CUgraphDependencyType
 PORTS = {0: "end", 1: "programmatic", 2: "launch-order"}  # CU_GRAPH_KERNEL_NODE_PORT_*
@@ -78,13 +74,7 @@ def main() -> None:
     ap.add_argument("--config", required=True, help="a cute_sm90 config as JSON (compile and run-time knobs)")
     args = ap.parse_args()
     cp = _cp()
-    shape = parse_shape(args.shape)
-    target = target_for_arch("sm_90a")
-    fam = load_space("space.yaml").family("cute_sm90")
-    full = fam.complete(json.loads(args.config))
-    built = compile_source(render(fam, full, target.arch), target.arch, artifact=fam.artifact)
-    if not built.ok:
-        raise SystemExit(f"build failed: {built.error}")
+    fam, full, shape, target, built = build_config(args.shape, args.config)
     sm_count = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     buf = Buffers(shape.M, shape.N, shape.K)
     stream = cp.cuda.Stream(non_blocking=True)

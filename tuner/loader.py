@@ -137,5 +137,6 @@ def load(path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: s
     accumulate="fp16" picks the file's fp16-accumulate entries instead. pdl=True launches the
     Hopper (cute_sm90) kernels with programmatic dependent launch: each may be scheduled while
     the kernel before it on the stream drains, and waits for that kernel's writes before it
-    touches memory, so it is safe after any kernel."""
+    touches memory, so it is safe after any kernel. Measure before keeping it: on an H200 it
+    made some pingpong kernels slower (128x16384x16384 by a third; NOTES.md, session 6)."""
     return Gemm(path, space_file, accumulate, pdl)

@@ -49,7 +49,7 @@ def best_of_family(storage: str, shape: str, family: str):
 
 
 def parse_overrides(text: str) -> dict:
-    """'K_START=staggered,L2_HINT=stream_a' -> {'K_START': 'staggered', 'L2_HINT': 'stream_a'}
+    """'L2_HINT=stream_a,STAGES=6' -> {'L2_HINT': 'stream_a', 'STAGES': 6}
     (values that read as integers become integers, as in space.yaml)."""
     out = {}
     for part in filter(None, text.split(",")):

@@ -530,3 +530,17 @@ def test_report_plots_a_bench_json(result, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     png = tmp_path / "rep" / "bench_speedup_vs_flops.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_families_variant_overrides_parse_and_refuse_garbage():
+    """`bench_families.py --variant` text -> knob overrides (integers as in space.yaml); a part
+    without '=' is a clear exit, not a traceback."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        from bench_families import parse_overrides
+    finally:
+        sys.path.pop(0)
+    assert parse_overrides("L2_HINT=stream_a,STAGES=6") == {"L2_HINT": "stream_a", "STAGES": 6}
+    assert parse_overrides("SCHEDULER=persistent") == {"SCHEDULER": "persistent"}
+    with pytest.raises(SystemExit, match="expected KNOB=VALUE"):
+        parse_overrides("STAGES")

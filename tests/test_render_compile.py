@@ -48,6 +48,22 @@ def test_runtime_knobs_do_not_change_the_source(space):
     assert a == b
 
 
+def test_cute_sm90_l2_hint_swaps_in_our_producer_loop_only_when_asked(space):
+    """L2_HINT=normal renders CUTLASS's own mainloop untouched; stream_a / stream_b render our
+    producer loop with the hints on the right operands; every build waits on its predecessor
+    (PDL-safe) and the stream-K build, which CUTLASS cannot signal early, only waits."""
+    fam = space.family("cute_sm90")
+    plain = render(fam, fam.complete({}), "sm_90a")
+    assert "using CollectiveMainloop = BuiltMainloop;" in plain and "TunedLoadMainloop" not in plain
+    assert "#define CUTLASS_ENABLE_GDC_FOR_SM90 1" in plain
+    for hint, a, b in (("stream_a", "EVICT_FIRST", "EVICT_LAST"), ("stream_b", "EVICT_LAST", "EVICT_FIRST")):
+        src = render(fam, fam.complete({"L2_HINT": hint}), "sm_90a")
+        assert "using CollectiveMainloop = TunedLoadMainloop<BuiltMainloop>;" in src
+        assert f"kHintA = TMA::CacheHintSm90::{a};" in src and f"kHintB = TMA::CacheHintSm90::{b};" in src
+    streamk = render(fam, fam.complete({"SCHEDULER": "streamk"}), "sm_90a")
+    assert "#define CUTLASS_GDC_ENABLED" in streamk and "CUTLASS_ENABLE_GDC_FOR_SM90 1" not in streamk
+
+
 def test_broken_template_is_a_user_error(space, tmp_path):
     (tmp_path / "wmma.cu.j2").write_text("{{ NOT_A_KNOB }}")
     with pytest.raises(UserError, match="does not render"):

@@ -111,7 +111,7 @@ def main() -> None:
     t0 = time.perf_counter()
     # Phase 1: tune (unless --trials 0) and pick every shape's bests, starting their builds
     # at once so that nvcc runs on every core while earlier shapes tune or are timed.
-    picked = []  # (shape, {family: (compile future, variant, full config)})
+    picked = []  # (shape, {contender: (family, compile future, run-time variant, full config, pdl)})
     for shape_s in args.shapes.split(","):
         shape = parse_shape(shape_s)
         builds = {}
@@ -129,7 +129,7 @@ def main() -> None:
             a = best.user_attrs
             full = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
             future = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact)
-            builds[fam_name] = (future, a["variant"], full)
+            builds[fam_name] = (fam_name, future, a["variant"], full, False)
             for text in args.variant:
                 try:
                     changed = fam.complete(full | parse_overrides(text))
@@ -139,23 +139,21 @@ def main() -> None:
                     continue  # the best already has these values, or they cannot run this shape
                 runtime = {k.name: changed[k.name] for k in fam.runtime_knobs}
                 future = pool.submit(render(fam, changed, target.arch), target.arch, fam.artifact)
-                builds[f"{fam_name}+{text}"] = (future, runtime, changed)
+                builds[f"{fam_name}+{text}"] = (fam_name, future, runtime, changed, False)
             if args.pdl and fam.artifact == "library":  # the same builds, launched with PDL
-                for name in [n for n in builds if n.split("+")[0] == fam_name]:
-                    builds[f"{name}+PDL"] = builds[name]
+                for name, (fam_of, future, variant, config, _) in list(builds.items()):
+                    if fam_of == fam_name:
+                        builds[f"{name}+PDL"] = (fam_of, future, variant, config, True)
         picked.append((shape, builds))
     # Phase 2: verify again and time each shape's bests against the vendor libraries.
     for shape, builds in picked:
         candidates, configs = {}, {}
-        for fam_name, (future, variant, full) in builds.items():
+        for fam_name, (fam_of, future, variant, full, pdl) in builds.items():
             cres = future.result()
             if not cres.ok:
                 rows.append((shape, fam_name, None, None, None, f"build failed: {(cres.error or '')[:200]}"))
                 continue
-            fam = space.family(fam_name.split("+")[0])
-            launch = launch_spec(fam, full, shape, target)
-            if fam_name.endswith("+PDL"):
-                launch["pdl"] = True
+            launch = launch_spec(space.family(fam_of), full, shape, target) | {"pdl": pdl}
             candidates[fam_name] = {"cubin": cres.cubin, "variant": variant, "launch": launch}
             configs[fam_name] = full
         if not candidates:

@@ -9,6 +9,8 @@ OUT=${OUT:-runs/out}; mkdir -p "$OUT" runs
 # call always reaches the packing below (the device tool kills a command at 600 s).
 END=${DEVICE_BUDGET_S:-570}
 cap() { local left=$((END - SECONDS)); (( left < $1 )) && echo $((left > 1 ? left : 1)) || echo "$1"; }
+# Session 5's best stored config at 16384x128x4096 (the probes' subject).
+BEST_16384x128x4096='{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER_N":2,"SCHEDULER":"streamk","RASTER":"along_n"}'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 for step in "$@"; do
   echo "=== $step $(date +%T)"
@@ -27,7 +29,7 @@ for step in "$@"; do
     bench90) timeout "$(cap ${BENCH_TIMEOUT:-540})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
                --time-per-family "${BENCH_TUNE_S:-40}" --trials 200 ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 \
                | tee "$OUT/bench90.log" | tail -16 ;;
-    bench10) # BENCH_VARIANTS='K_START=staggered;L2_HINT=stream_a': A/B contenders (--variant), ';'-separated
+    bench10) # BENCH_VARIANTS='L2_HINT=stream_a;SCHEDULER=persistent': A/B contenders (--variant), ';'-separated
              VARIANT_ARGS=(); IFS=';' read -ra _variants <<< "${BENCH_VARIANTS:-}"
              for v in "${_variants[@]}"; do VARIANT_ARGS+=(--variant "$v"); done
              timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
@@ -35,8 +37,7 @@ for step in "$@"; do
                ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_PDL:+--pdl} "${VARIANT_ARGS[@]}" 2>&1 \
                | tee "$OUT/bench10.log" | tail -40 ;;
     pdlprobe) # do cuBLAS / cuBLASLt / torch launch back-to-back GEMMs with PDL? (benchmarks/pdl_probe.py)
-              timeout "$(cap 200)" python3 benchmarks/pdl_probe.py --shape 16384x128x4096 \
-                --config '{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER_N":2,"SCHEDULER":"streamk","RASTER":"along_n"}' \
+              timeout "$(cap 200)" python3 benchmarks/pdl_probe.py --shape 16384x128x4096 --config "$BEST_16384x128x4096" \
                 2>&1 | tee "$OUT/pdl_probe.log" | tail -12 ;;
     sweep27) # issue 4: sweep the {256,2048,8192}^3 sub-grid, bench its export in both modes, plot
              timeout "$(cap ${SWEEP_TIMEOUT:-400})" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
@@ -62,7 +63,7 @@ for step in "$@"; do
          METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
          METRICS=$METRICS,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
          declare -A CASES=(
-           [16384x128x4096]='{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER_N":2,"SCHEDULER":"streamk","RASTER":"along_n"}'
+           [16384x128x4096]="$BEST_16384x128x4096"
            [128x16384x16384]='{"TILE_M":64,"TILE_N":256,"STAGES":5,"CLUSTER_M":1,"SCHEDULE":"pingpong","RASTER":"along_m","SWIZZLE":8}')
          for s in "${!CASES[@]}"; do python3 benchmarks/ncu_probe.py --shape "$s" --config "${CASES[$s]}" --build-only & done; wait
          for s in "${!CASES[@]}"; do

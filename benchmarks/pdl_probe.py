@@ -47,7 +47,7 @@ def _kernel_name(cu, node) -> str:
 
 
 def describe(graph_handle: int) -> tuple[list[str], list[str]]:
-    """(kernel names in node order, 'from_port->type' of every edge) of a cudaGraph_t."""
+    """(kernel names in node order, 'from_port/type' of every edge) of a cudaGraph_t."""
     cu = _driver()
     g = ctypes.c_void_p(graph_handle)
     n = ctypes.c_size_t(0)

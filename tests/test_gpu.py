@@ -143,11 +143,13 @@ def test_cute_sm90_split_k_variants_verify_on_tails(space, backend):
 def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(space, backend):
     """Our producer loop (L2_HINT) computes the multicast masks itself: in a 2x2 cluster both
     operands are multicast. It must pass the full check on a tail shape, launched plainly and
-    with programmatic dependent launch (same library, same process)."""
+    with programmatic dependent launch (same library, same process). The TMA descriptors are
+    encoded through our L2-promotion wrapper (TMA_L2_PROMOTION=256) at the same time."""
     from tuner.search import launch_spec
 
     fam = space.family("cute_sm90")
-    full = fam.complete({"TILE_N": 64, "STAGES": 6, "CLUSTER_M": 2, "CLUSTER_N": 2, "L2_HINT": "stream_b"})
+    full = fam.complete({"TILE_N": 64, "STAGES": 6, "CLUSTER_M": 2, "CLUSTER_N": 2, "L2_HINT": "stream_b",
+                         "TMA_L2_PROMOTION": 256})
     shape = parse_shape("333x200x1000")
     assert not fam.violations(full, shape, backend.target)
     built = compile_source(render(fam, full, "sm_90a"), "sm_90a", artifact=fam.artifact)

@@ -64,6 +64,19 @@ def test_cute_sm90_l2_hint_swaps_in_our_producer_loop_only_when_asked(space):
     assert "#define CUTLASS_GDC_ENABLED" in streamk and "CUTLASS_ENABLE_GDC_FOR_SM90 1" not in streamk
 
 
+def test_cute_sm90_tma_l2_promotion_reroutes_cutes_descriptor_call_only_when_asked(space):
+    """TMA_L2_PROMOTION=128 is CuTe's own encoding (no wrapper); every other value routes CuTe's
+    cuTensorMapEncodeTiled through our wrapper, before CuTe's headers, with that promotion."""
+    fam = space.family("cute_sm90")
+    plain = render(fam, fam.complete({}), "sm_90a")
+    assert "hgemm_tma_promotion" not in plain
+    for value, enum in ((256, "L2_256B"), (64, "L2_64B"), (0, "NONE")):
+        src = render(fam, fam.complete({"TMA_L2_PROMOTION": value}), "sm_90a")
+        assert f"CU_TENSOR_MAP_L2_PROMOTION_{enum}, oob_fill" in src
+        redirect = src.index("#define CUTLASS_CUDA_DRIVER_WRAPPER_CALL(func) hgemm_tma_promotion::call_##func")
+        assert redirect < src.index("#include <cute/tensor.hpp>")
+
+
 def test_broken_template_is_a_user_error(space, tmp_path):
     (tmp_path / "wmma.cu.j2").write_text("{{ NOT_A_KNOB }}")
     with pytest.raises(UserError, match="does not render"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -34,8 +35,10 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     assert pingpong["SCHEDULE"] == "pingpong"
     rng = random.Random(7)  # one sampled valid config besides the shipped ones
     while True:
-        # with an L2 hint, so that our own producer loop (TunedLoadMainloop) is built and read too
-        sampled = fam.complete({k.name: rng.choice(k.values) for k in fam.compile_knobs} | {"L2_HINT": "stream_a"})
+        # with an L2 hint, so that our own producer loop (TunedLoadMainloop) is built and read too,
+        # and with our TMA-descriptor wrapper (TMA_L2_PROMOTION != 128)
+        sampled = fam.complete({k.name: rng.choice(k.values) for k in fam.compile_knobs}
+                               | {"L2_HINT": "stream_a", "TMA_L2_PROMOTION": 256})
         if not fam.violations(sampled, BIG, h200) and sampled not in (default, pingpong):
             break
     results = _compile_all(fam, [default, pingpong, sampled], tmp_path)
@@ -47,6 +50,10 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
         assert ops["HMMA"] == 0, "a Hopper kernel fell back to mma.sync"
         # hgemm_run(pdl=1) is safe only if the kernel waits for its predecessor's memory
         assert ops["ACQBULK"] > 0, f"no griddepcontrol.wait in {fam.compile_config(cfg)}: PDL would race"
+    # The promotion knob is real only if CuTe's descriptor encoding goes through our wrapper:
+    # its symbol is in the library that asked for 256, and absent from CuTe's own 128.
+    assert b"hgemm_tma_promotion" in Path(results[2].cubin).read_bytes()
+    assert b"hgemm_tma_promotion" not in Path(results[0].cubin).read_bytes()
     for cfg, res in zip([default, pingpong], results[:2], strict=True):
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["LDL"] == 0 and ops["STL"] == 0, f"local-memory spills in {fam.compile_config(cfg)}: {dict(ops)}"

@@ -9,23 +9,33 @@ order (CUDA-graph replays, median). Prints a markdown table with TFLOP/s and rat
 writes it to DIR/bench_families.md. --trials 0 skips tuning and re-measures the stored bests.
 --pdl adds each library contender (best and variants) once more, launched with programmatic
 dependent launch: its prologue overlaps the tail of the launch before it in the graph.
---variant KNOB=VALUE[,KNOB=VALUE] (repeatable) adds, for each shape, the best config with those
-knobs changed as one more contender in the same timing run: an A/B test of a kernel change on
-the configs that won without it.
+--variant [SHAPE:]KNOB=VALUE[,KNOB=VALUE] (repeatable) adds, for each shape (or only SHAPE), the
+best config with those knobs changed as one more contender in the same timing run: an A/B test
+of a kernel change on the configs that won without it.
+
+Near-equal configs swap places from run to run (a few percent at 15-40 us), so a study's best is
+partly luck. --top K re-measures each family's K best stored configs in a selection run of their
+own and keeps the fastest; --repeats R then times the kept ones against the vendors in R runs, each
+in a fresh worker process (new buffers), and reports median times and the median and range of the
+per-run ratios. The selection run is never one of the reported runs, so picking the luckiest
+of K does not flatter the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
+import optuna
+
 from tuner.bench import GpuBackend
 from tuner.compile import CompilePool
-from tuner.export import best_per_family, load_studies
+from tuner.export import load_studies
 from tuner.render import render
-from tuner.search import launch_spec, tune
+from tuner.search import launch_spec, study_name, tune
 from tuner.shapes import parse_shape
 from tuner.space import UserError, load_space
 
@@ -38,14 +48,25 @@ VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
 def best_of_family(storage: str, shape: str, family: str):
     """The best verified trial of `family` for `shape` over every study in the storage
     (the per-family benchmark studies and any earlier `hgemm-tune` study of the shape)."""
-    best = None
+    top = top_of_family(storage, shape, family, 1)
+    return top[0] if top else None
+
+
+def top_of_family(storage: str, shape: str, family: str, k: int) -> list:
+    """The `k` best verified trials of `family` for `shape` over every study in the storage,
+    one per distinct config (compile and run-time knobs)."""
+    trials = []
     for st in load_studies(storage):
-        if st.user_attrs.get("shape") != shape:
-            continue
-        t = best_per_family(st).get(family)
-        if t is not None and (best is None or t.value < best.value):
-            best = t
-    return best
+        if st.user_attrs.get("shape") == shape:
+            trials += [t for t in st.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE
+                       and t.user_attrs.get("status") == "ok" and t.user_attrs.get("family") == family]
+    seen, out = set(), []
+    for t in sorted(trials, key=lambda t: t.value):
+        key = json.dumps(t.user_attrs["config"] | t.user_attrs["variant"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out[:k]
 
 
 def parse_overrides(text: str) -> dict:
@@ -61,29 +82,77 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
-def table(rows: list, target) -> str:
-    """The markdown table of every (shape, family) row so far."""
+class Row:
+    """One contender's line of the table: median times over the reported runs and the per-run
+    ratios to each vendor (None where a run had no time)."""
+
+    def __init__(self, shape, name: str, note: str, times: list | None = None, vendors: list | None = None,
+                 ok: bool | None = None):
+        self.shape, self.name, self.note, self.ok = shape, name, note, ok
+        self.times = times or []      # ours, one per run
+        self.vendors = vendors or []  # {vendor: us}, one per run
+
+    def median(self, vendor: str | None = None) -> float | None:
+        ts = [t for t in self.times if t] if vendor is None else [v.get(vendor) for v in self.vendors if v.get(vendor)]
+        return statistics.median(ts) if ts else None
+
+    def ratios(self, vendor: str) -> list[float]:
+        return [v[vendor] / t for t, v in zip(self.times, self.vendors, strict=True) if t and v.get(vendor)]
+
+
+def table(rows: list[Row], target, runs: int = 1) -> str:
+    """The markdown table of every row so far."""
     lines = [f"GPU: {target.name} ({target.arch}); fp16 in/out, fp32 accumulate, TN; CUDA-graph timed, "
              "median of 7 interleaved replays, all contenders in one process and run. cuBLAS = "
-             "cublasGemmEx(COMPUTE_32F); Lt = cublasLtMatmul heuristic #1; Lt-auto = fastest of Lt's top 16.", "",
-             "| shape | family | us | TFLOP/s | cuBLAS us | Lt us | Lt-auto us | vs cuBLAS | vs Lt | vs Lt-auto "
-             "| verified | config |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "cublasGemmEx(COMPUTE_32F); Lt = cublasLtMatmul heuristic #1; Lt-auto = fastest of Lt's top 16."]
+    if runs > 1:
+        lines.append(f"{runs} runs, each in a fresh worker process: times are medians over the runs, ratios the "
+                     "median of the per-run ratios; `cuBLAS range` is the lowest and highest per-run ratio.")
+    lines += ["", "| shape | family | us | TFLOP/s | cuBLAS us | Lt us | Lt-auto us | vs cuBLAS | vs Lt | vs Lt-auto "
+              + ("| cuBLAS range " if runs > 1 else "") + "| verified | config |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if runs > 1 else "") + "---|---|"]
 
     def us(t):
         return f"{t:.2f}" if t else "-"
 
-    def ratio(vendor_t, t):
-        return f"{vendor_t / t:.3f}" if vendor_t and t else "-"
+    def ratio(r: Row, vendor: str) -> str:
+        rs = r.ratios(vendor)
+        return f"{statistics.median(rs):.3f}" if rs else "-"
 
-    for shape, fam, t, vendor, ok, note in rows:
-        if t is None or vendor is None:
-            lines.append(f"| {shape} | {fam} | - | - | - | - | - | - | - | - | {ok} | {note} |")
+    for r in rows:
+        t = r.median()
+        spread = ""
+        if runs > 1:
+            rs = r.ratios("cublas")
+            spread = f"| {min(rs):.3f}-{max(rs):.3f} " if rs else "| - "
+        if t is None:
+            lines.append(f"| {r.shape} | {r.name} | - | - | - | - | - | - | - | - {spread}| {r.ok} | {r.note} |")
             continue
-        lines.append(f"| {shape} | {fam} | {t:.2f} | {shape.tflops(t):.1f} | {us(vendor['cublas'])} | "
-                     f"{us(vendor['cublaslt'])} | {us(vendor['cublaslt_auto'])} | {ratio(vendor['cublas'], t)} | "
-                     f"{ratio(vendor['cublaslt'], t)} | {ratio(vendor['cublaslt_auto'], t)} | {ok} | `{note}` |")
+        lines.append(f"| {r.shape} | {r.name} | {t:.2f} | {r.shape.tflops(t):.1f} | {us(r.median('cublas'))} | "
+                     f"{us(r.median('cublaslt'))} | {us(r.median('cublaslt_auto'))} | {ratio(r, 'cublas')} | "
+                     f"{ratio(r, 'cublaslt')} | {ratio(r, 'cublaslt_auto')} {spread}| {r.ok} | `{r.note}` |")
     return "\n".join(lines)
+
+
+def select(backend, shape, candidates: dict, configs: dict, rows: list) -> None:
+    """--top: one selection run of each family's K best ('FAMILY#i' names); the fastest verified
+    one of each family takes the family's name, the others leave `candidates`."""
+    reply = backend.compare(shape, candidates, torch=False)
+    if reply.get("status") != "ok":
+        rows.append(Row(shape, "-", f"selection run failed: {reply.get('reason')}"))
+        return
+    groups: dict[str, list[str]] = {}
+    for name in candidates:
+        if name.partition("#")[0] != name and "+" not in name:
+            groups.setdefault(name.partition("#")[0], []).append(name)
+    for fam_name, names in groups.items():
+        timed = [n for n in names if reply["verify"][n]["ok"] and reply["times"].get(n)]
+        for n in names:
+            cand, cfg = candidates.pop(n), configs.pop(n)
+            if timed and n == min(timed, key=lambda n: reply["times"][n]):
+                candidates[fam_name], configs[fam_name] = cand, cfg
+        line = ", ".join(f"#{n.partition('#')[2]} {reply['times'][n]:.2f}" for n in timed)
+        print(f"{shape} {fam_name}: selection run of the top {len(names)} (us): {line}", flush=True)
 
 
 def main() -> None:
@@ -94,13 +163,27 @@ def main() -> None:
     ap.add_argument("--storage", default="sqlite:///runs/hgemm.db")
     ap.add_argument("--out", default="runs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--study-tag", default="",
+                    help="tune into a new study named '<shape's study>-TAG' (fresh: the seeds run first) "
+                         "instead of resuming the shape's study; the best is still taken over all studies")
     ap.add_argument("--pdl", action="store_true",
                     help="also time each library family's best launched with programmatic dependent launch")
-    ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE]",
-                    help="also time each family's best with these knobs changed (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], metavar="[SHAPE:]KNOB=VALUE[,KNOB=VALUE]",
+                    help="also time each family's best (for SHAPE only, if given) with these knobs changed "
+                         "(repeatable)")
+    ap.add_argument("--top", type=int, default=1,
+                    help="re-measure each family's K best stored configs in a selection run, keep the fastest")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time the kept contenders and the vendors in R runs, each in a fresh worker")
     ap.add_argument("--time-per-family", type=float, default=40.0,
                     help="seconds of search per (shape, cute family); wmma gets a third")
     args = ap.parse_args()
+    for text in args.variant:
+        only = text.rpartition(":")[0]
+        try:
+            parse_shape(only) if only else None
+        except UserError as e:
+            raise SystemExit(f"--variant {text!r}: {e}") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     space = load_space("space.yaml")
@@ -118,21 +201,28 @@ def main() -> None:
         for fam_name in args.families.split(","):
             fam = space.family(fam_name)
             if args.trials > 0:
-                tune(space, [fam_name], shape, backend, trials=args.trials, storage=args.storage,
+                name = study_name(shape, [fam], target.arch) + (f"-{args.study_tag}" if args.study_tag else "")
+                tune(space, [fam_name], shape, backend, trials=args.trials, storage=args.storage, name=name,
                      seed=args.seed, pool=pool,
                      # wmma compiles in a second, CuTe in 20-50 s: give the slow families the time
                      timeout_s=args.time_per_family / (3 if fam_name == "wmma" else 1))
-            best = best_of_family(args.storage, str(shape), fam_name)
-            if best is None:
-                rows.append((shape, fam_name, None, None, None, "no verified kernel"))
+            top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1))
+            if not top:
+                rows.append(Row(shape, fam_name, "no verified kernel"))
                 continue
-            a = best.user_attrs
-            full = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
-            future = pool.submit(render(fam, full, target.arch), target.arch, fam.artifact)
-            builds[fam_name] = (fam_name, future, a["variant"], full, False)
+            for i, trial in enumerate(top):
+                a = trial.user_attrs
+                config = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
+                future = pool.submit(render(fam, config, target.arch), target.arch, fam.artifact)
+                builds[fam_name + (f"#{i}" if args.top > 1 else "")] = (fam_name, future, a["variant"], config, False)
+                if i == 0:
+                    full = config  # --variant and --pdl apply to the stored best (#0 with --top)
             for text in args.variant:
+                only, _, knobs = text.rpartition(":")
+                if only and parse_shape(only) != shape:
+                    continue
                 try:
-                    changed = fam.complete(full | parse_overrides(text))
+                    changed = fam.complete(full | parse_overrides(knobs))
                 except UserError as e:
                     raise SystemExit(f"--variant {text!r}: {e}") from None
                 if changed == full or fam.violations(changed, shape, target):
@@ -142,7 +232,7 @@ def main() -> None:
                 builds[f"{fam_name}+{text}"] = (fam_name, future, runtime, changed, False)
             if args.pdl and fam.artifact == "library":  # the same builds, launched with PDL
                 for name, (fam_of, future, variant, config, _) in list(builds.items()):
-                    if fam_of == fam_name:
+                    if fam_of == fam_name and not name.partition("#")[2].strip("0"):  # not the other top-K
                         builds[f"{name}+PDL"] = (fam_of, future, variant, config, True)
         picked.append((shape, builds))
     # Phase 2: verify again and time each shape's bests against the vendor libraries.
@@ -151,29 +241,40 @@ def main() -> None:
         for fam_name, (fam_of, future, variant, full, pdl) in builds.items():
             cres = future.result()
             if not cres.ok:
-                rows.append((shape, fam_name, None, None, None, f"build failed: {(cres.error or '')[:200]}"))
+                rows.append(Row(shape, fam_name, f"build failed: {(cres.error or '')[:200]}"))
                 continue
             launch = launch_spec(space.family(fam_of), full, shape, target) | {"pdl": pdl}
             candidates[fam_name] = {"cubin": cres.cubin, "variant": variant, "launch": launch}
             configs[fam_name] = full
+        if args.top > 1 and candidates:
+            select(backend, shape, candidates, configs, rows)
         if not candidates:
             continue
-        reply = backend.compare(shape, candidates)
-        if reply.get("status") != "ok":
-            rows.append((shape, "-", None, None, None, f"compare failed: {reply.get('reason')}"))
-            continue
-        times = reply["times"]
-        vendor = {v: times.get(v) for v in VENDORS}
-        for fam_name in candidates:
-            ok = reply["verify"][fam_name]["ok"]
-            rows.append((shape, fam_name, times.get(fam_name), vendor, ok,
-                         json.dumps(configs[fam_name], separators=(",", ":")) if ok
-                         else reply["verify"][fam_name]["reason"]))
-        print(f"{shape}: done at {time.perf_counter() - t0:.0f} s {reply.get('notes', {})}", flush=True)
-        (out / "bench_families.md").write_text(table(rows, target) + "\n")  # a cut-off run keeps its rows
+        shape_rows = {name: Row(shape, name, "", ok=True) for name in candidates}
+        for run in range(args.repeats):
+            if run:
+                backend.restart()
+            reply = backend.compare(shape, candidates)
+            if reply.get("status") != "ok":
+                rows.append(Row(shape, "-", f"compare failed (run {run + 1}): {reply.get('reason')}"))
+                continue
+            times = reply["times"]
+            for name, row in shape_rows.items():
+                verdict = reply["verify"][name]
+                row.ok = row.ok and verdict["ok"]
+                row.note = json.dumps(configs[name], separators=(",", ":")) if row.ok else verdict["reason"]
+                row.times.append(times.get(name) if verdict["ok"] else None)
+                row.vendors.append({v: times.get(v) for v in VENDORS})
+            print(f"{shape}: run {run + 1} done at {time.perf_counter() - t0:.0f} s {reply.get('notes', {})}",
+                  flush=True)
+        for name, row in shape_rows.items():
+            if args.repeats > 1:  # the table shows medians; the log keeps every run's ratio
+                print(f"{shape} {name}: per-run vs cuBLAS " + ", ".join(f"{r:.3f}" for r in row.ratios("cublas")))
+        rows += shape_rows.values()
+        (out / "bench_families.md").write_text(table(rows, target, args.repeats) + "\n")  # a cut-off run keeps its rows
     backend.close()
     pool.close()
-    text = table(rows, target)
+    text = table(rows, target, args.repeats)
     (out / "bench_families.md").write_text(text + "\n")
     print(text)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

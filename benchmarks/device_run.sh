@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, then run the given steps, logs under $OUT.
 #   bash benchmarks/device_run.sh smoke gpu-tests tune bench
+#   bash benchmarks/device_run.sh BENCH_TRIALS=36 bench10 BENCH_TRIALS=0 bench10   (NAME=VALUE: for the steps after it)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=/tmp/cubins
@@ -12,7 +13,12 @@ cap() { local left=$((END - SECONDS)); (( left < $1 )) && echo $((left > 1 ? lef
 # Session 5's best stored config at 16384x128x4096 (the probes' subject).
 BEST_16384x128x4096='{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER_N":2,"SCHEDULER":"streamk","RASTER":"along_n"}'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
+n=0
 for step in "$@"; do
+  # NAME=VALUE between steps sets a variable for the steps after it:
+  #   bash benchmarks/device_run.sh BENCH_TRIALS=36 bench10 BENCH_TRIALS=0 BENCH_SHAPES= bench10
+  if [[ $step =~ ^[A-Z_][A-Z0-9_]*= ]]; then export "${step?}"; echo "=== set $step"; continue; fi
+  n=$((n + 1))
   echo "=== $step $(date +%T)"
   case $step in
     smoke) timeout "$(cap 300)" python3 benchmarks/smoke.py --out "$OUT" 2>&1 | tee "$OUT/smoke.log" | tail -45 ;;
@@ -32,13 +38,23 @@ for step in "$@"; do
     bench10) # BENCH_VARIANTS='L2_HINT=stream_a;SCHEDULER=persistent': A/B contenders (--variant), ';'-separated
              VARIANT_ARGS=(); IFS=';' read -ra _variants <<< "${BENCH_VARIANTS:-}"
              for v in "${_variants[@]}"; do VARIANT_ARGS+=(--variant "$v"); done
-             timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT" --families cute_sm90 \
+             # each bench10 step of a call writes its own bench10_<step number> folder and log
+             timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT/bench10_$n" --families cute_sm90 \
                --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} \
-               ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_PDL:+--pdl} "${VARIANT_ARGS[@]}" 2>&1 \
-               | tee "$OUT/bench10.log" | tail -40 ;;
+               ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_SEED:+--seed $BENCH_SEED} ${BENCH_TAG:+--study-tag $BENCH_TAG} \
+               ${BENCH_TOP:+--top $BENCH_TOP} ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_PDL:+--pdl} \
+               "${VARIANT_ARGS[@]}" 2>&1 | tee "$OUT/bench10_$n.log" | tail -40 ;;
     pdlprobe) # do cuBLAS / cuBLASLt / torch launch back-to-back GEMMs with PDL? (benchmarks/pdl_probe.py)
               timeout "$(cap 200)" python3 benchmarks/pdl_probe.py --shape 16384x128x4096 --config "$BEST_16384x128x4096" \
                 2>&1 | tee "$OUT/pdl_probe.log" | tail -12 ;;
+    ksweep) # fixed cost or bandwidth: each KSWEEP_SHAPES shape's stored best and the vendors over K (benchmarks/k_sweep.py)
+            # KSWEEP_VARIANTS='SCHEDULER=persistent;...' applies to every shape
+            VARIANT_ARGS=(); IFS=';' read -ra _variants <<< "${KSWEEP_VARIANTS:-}"
+            for v in "${_variants[@]}"; do VARIANT_ARGS+=(--variant "$v"); done
+            for s in ${KSWEEP_SHAPES:-16384x128x4096}; do
+              timeout "$(cap ${KSWEEP_TIMEOUT:-200})" python3 benchmarks/k_sweep.py --shape "$s" --ks "${KSWEEP_KS:-1024,2048,4096,8192,16384}" \
+                --storage "${BENCH_STORAGE:-sqlite:///runs/hgemm.db}" "${VARIANT_ARGS[@]}" 2>&1 | tee -a "$OUT/k_sweep.log" | tail -14
+            done ;;
     sweep27) # issue 4: sweep the {256,2048,8192}^3 sub-grid, bench its export in both modes, plot
              timeout "$(cap ${SWEEP_TIMEOUT:-400})" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
                --trials-per-shape "${SWEEP_TRIALS:-12}" --budget "${SWEEP_BUDGET:-360}" --seed 0 \

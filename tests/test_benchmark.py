@@ -544,3 +544,56 @@ def test_bench_families_variant_overrides_parse_and_refuse_garbage():
     assert parse_overrides("SCHEDULER=persistent") == {"SCHEDULER": "persistent"}
     with pytest.raises(SystemExit, match="expected KNOB=VALUE"):
         parse_overrides("STAGES")
+
+
+def _bench_families():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import bench_families
+    finally:
+        sys.path.pop(0)
+    return bench_families
+
+
+def test_bench_families_repeats_report_medians_and_the_ratio_range():
+    """--repeats: times are medians over the runs; ratios are the median of per-run ratios,
+    paired within each run; the range column shows the lowest and highest per-run ratio."""
+    bf = _bench_families()
+    from tuner.shapes import parse_shape
+
+    shape = parse_shape("16384x128x4096")
+    row = bf.Row(shape, "cute_sm90", "{}", ok=True,
+                 times=[40.0, 38.0, 41.0],
+                 vendors=[{"cublas": 38.0, "cublaslt": 39.0, "cublaslt_auto": 37.0},
+                          {"cublas": 39.9, "cublaslt": 39.0, "cublaslt_auto": 37.0},
+                          {"cublas": 41.0, "cublaslt": 39.0, "cublaslt_auto": 37.0}])
+    assert row.median() == 40.0 and row.median("cublas") == 39.9
+    assert row.ratios("cublas") == pytest.approx([0.95, 1.05, 1.0])
+    text = bf.table([row], target_for_arch("sm_90a"), runs=3)
+    line = next(ln for ln in text.splitlines() if ln.startswith("| 16384x128x4096"))
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[3] == "40.00" and cells[5] == "39.90"  # median us, ours and cuBLAS
+    assert cells[8] == "1.000"  # median of the per-run ratios, not 39.9 / 40.0
+    assert cells[11] == "0.950-1.050"
+    assert "3 runs, each in a fresh worker process" in text
+    # one run: no range column
+    assert "cuBLAS range" not in bf.table([row], target_for_arch("sm_90a"), runs=1)
+
+
+def test_bench_families_top_k_selection_keeps_the_fastest_verified_config():
+    """--top: the selection run keeps, per family, the fastest config that verified; a faster
+    one that failed verification is dropped, and variants ('+') are left alone."""
+    bf = _bench_families()
+    from tuner.shapes import parse_shape
+
+    reply = {"status": "ok",
+             "times": {"cute_sm90#0": 41.0, "cute_sm90#1": 39.5, "cute_sm90#2": 30.0, "cute_sm90+X=1": 45.0},
+             "verify": {"cute_sm90#0": {"ok": True}, "cute_sm90#1": {"ok": True},
+                        "cute_sm90#2": {"ok": False, "reason": "wrong"}, "cute_sm90+X=1": {"ok": True}}}
+    backend = SimpleNamespace(compare=lambda shape, cands, torch=True: reply)
+    candidates = {n: {"cubin": n} for n in reply["times"]}
+    configs = {n: {"name": n} for n in reply["times"]}
+    rows = []
+    bf.select(backend, parse_shape("16384x128x4096"), candidates, configs, rows)
+    assert candidates == {"cute_sm90": {"cubin": "cute_sm90#1"}, "cute_sm90+X=1": {"cubin": "cute_sm90+X=1"}}
+    assert configs["cute_sm90"] == {"name": "cute_sm90#1"} and rows == []

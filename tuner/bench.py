@@ -182,6 +182,12 @@ class GpuBackend:
             req["torch"] = False
         return self._call_restarting(req, timeout_s)
 
+    def restart(self) -> None:
+        """A fresh worker process: new CUDA context, new buffers at new addresses. Repeated
+        benchmark runs restart between runs so that one allocation's luck is not every run's."""
+        self.close()
+        self._start()
+
     def close(self) -> None:
         if self.proc and self.proc.stdin:
             try:

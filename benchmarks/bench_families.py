@@ -52,9 +52,11 @@ def best_of_family(storage: str, shape: str, family: str):
     return top[0] if top else None
 
 
-def top_of_family(storage: str, shape: str, family: str, k: int) -> list:
+def top_of_family(storage: str, shape: str, family: str, k: int, complete=None) -> list:
     """The `k` best verified trials of `family` for `shape` over every study in the storage,
-    one per distinct config (compile and run-time knobs)."""
+    one per distinct config (compile and run-time knobs). `complete` (the family's
+    `complete_stored`) fills in knobs that older studies did not have, so that the same
+    kernel stored with and without a since-added default counts once."""
     trials = []
     for st in load_studies(storage):
         if st.user_attrs.get("shape") == shape:
@@ -62,7 +64,8 @@ def top_of_family(storage: str, shape: str, family: str, k: int) -> list:
                        and t.user_attrs.get("status") == "ok" and t.user_attrs.get("family") == family]
     seen, out = set(), []
     for t in sorted(trials, key=lambda t: t.value):
-        key = json.dumps(t.user_attrs["config"] | t.user_attrs["variant"], sort_keys=True)
+        stored = t.user_attrs["config"] | t.user_attrs["variant"]
+        key = json.dumps(complete(stored) if complete else stored, sort_keys=True)
         if key not in seen:
             seen.add(key)
             out.append(t)
@@ -206,7 +209,7 @@ def main() -> None:
                      seed=args.seed, pool=pool,
                      # wmma compiles in a second, CuTe in 20-50 s: give the slow families the time
                      timeout_s=args.time_per_family / (3 if fam_name == "wmma" else 1))
-            top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1))
+            top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1), fam.complete_stored)
             if not top:
                 rows.append(Row(shape, fam_name, "no verified kernel"))
                 continue

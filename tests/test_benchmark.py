@@ -597,3 +597,30 @@ def test_bench_families_top_k_selection_keeps_the_fastest_verified_config():
     bf.select(backend, parse_shape("16384x128x4096"), candidates, configs, rows)
     assert candidates == {"cute_sm90": {"cubin": "cute_sm90#1"}, "cute_sm90+X=1": {"cubin": "cute_sm90+X=1"}}
     assert configs["cute_sm90"] == {"name": "cute_sm90#1"} and rows == []
+
+
+def test_bench_families_top_k_counts_one_kernel_once(tmp_path):
+    """The same kernel stored by an older study (without a knob added since) and by a newer one
+    (with that knob at its default) is one config for --top, not two; failed trials and other
+    families never count."""
+    import optuna
+
+    bf = _bench_families()
+    from tuner.space import load_space
+
+    fam = load_space("space.yaml").family("cute_sm90")
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    old = {"TILE_M": 128, "TILE_N": 64, "STAGES": 8}  # stored before TMA_L2_PROMOTION existed
+    rows = [(37.6, old, "ok", "cute_sm90"), (37.8, old | {"TMA_L2_PROMOTION": 128}, "ok", "cute_sm90"),
+            (38.2, old | {"STAGES": 6}, "ok", "cute_sm90"), (30.0, old | {"STAGES": 4}, "wrong", "cute_sm90"),
+            (20.0, {"BM": 128}, "ok", "cute_sm80")]
+    for tag in ("a", "b"):
+        study = optuna.create_study(study_name=f"16384x128x4096-{tag}", storage=storage)
+        study.set_user_attr("shape", "16384x128x4096")
+        for value, cfg, status, family in rows:
+            study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
+                "config": cfg, "variant": {"RASTER": "along_n"}, "status": status, "family": family}))
+    top = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 5, fam.complete_stored)
+    assert [t.value for t in top] == [37.6, 38.2]
+    raw = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 5)  # without completion: two keys
+    assert [t.value for t in raw] == [37.6, 37.8, 38.2]

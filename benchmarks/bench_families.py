@@ -146,7 +146,7 @@ def select(backend, shape, candidates: dict, configs: dict, rows: list) -> None:
         return
     groups: dict[str, list[str]] = {}
     for name in candidates:
-        if name.partition("#")[0] != name and "+" not in name:
+        if "#" in name and "+" not in name:
             groups.setdefault(name.partition("#")[0], []).append(name)
     for fam_name, names in groups.items():
         timed = [n for n in names if reply["verify"][n]["ok"] and reply["times"].get(n)]
@@ -213,13 +213,14 @@ def main() -> None:
             if not top:
                 rows.append(Row(shape, fam_name, "no verified kernel"))
                 continue
-            for i, trial in enumerate(top):
-                a = trial.user_attrs
-                config = fam.complete_stored(a["config"] | a["variant"])  # older studies hold ACCUM
+            # older studies hold ACCUM and lack knobs added since: complete_stored
+            stored = [fam.complete_stored(t.user_attrs["config"] | t.user_attrs["variant"]) for t in top]
+            for i, config in enumerate(stored):
                 future = pool.submit(render(fam, config, target.arch), target.arch, fam.artifact)
-                builds[fam_name + (f"#{i}" if args.top > 1 else "")] = (fam_name, future, a["variant"], config, False)
-                if i == 0:
-                    full = config  # --variant and --pdl apply to the stored best (#0 with --top)
+                builds[fam_name + (f"#{i}" if args.top > 1 else "")] = (
+                    fam_name, future, fam.runtime_config(config), config, False)
+            full = stored[0]  # --variant and --pdl apply to the stored best (#0 with --top), not the other top-K
+            twin_sources = [fam_name + ("#0" if args.top > 1 else "")]
             for text in args.variant:
                 only, _, knobs = text.rpartition(":")
                 if only and parse_shape(only) != shape:
@@ -230,13 +231,12 @@ def main() -> None:
                     raise SystemExit(f"--variant {text!r}: {e}") from None
                 if changed == full or fam.violations(changed, shape, target):
                     continue  # the best already has these values, or they cannot run this shape
-                runtime = {k.name: changed[k.name] for k in fam.runtime_knobs}
                 future = pool.submit(render(fam, changed, target.arch), target.arch, fam.artifact)
-                builds[f"{fam_name}+{text}"] = (fam_name, future, runtime, changed, False)
+                builds[f"{fam_name}+{text}"] = (fam_name, future, fam.runtime_config(changed), changed, False)
+                twin_sources.append(f"{fam_name}+{text}")
             if args.pdl and fam.artifact == "library":  # the same builds, launched with PDL
-                for name, (fam_of, future, variant, config, _) in list(builds.items()):
-                    if fam_of == fam_name and not name.partition("#")[2].strip("0"):  # not the other top-K
-                        builds[f"{name}+PDL"] = (fam_of, future, variant, config, True)
+                for name in twin_sources:
+                    builds[f"{name}+PDL"] = builds[name][:4] + (True,)
         picked.append((shape, builds))
     # Phase 2: verify again and time each shape's bests against the vendor libraries.
     for shape, builds in picked:

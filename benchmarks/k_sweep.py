@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_families import best_of_family, parse_overrides  # this script's folder
+from bench_families import VENDORS, best_of_family, parse_overrides  # this script's folder
 
 from tuner.bench import GpuBackend
 from tuner.compile import CompilePool
@@ -25,8 +25,6 @@ from tuner.render import render
 from tuner.search import launch_spec
 from tuner.shapes import Shape, parse_shape
 from tuner.space import load_space
-
-VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -71,7 +69,7 @@ def main() -> None:
                 raise SystemExit(f"{name}: build failed: {(built.error or '')[:300]}")
             if fam.violations(full, shape, target):
                 continue
-            candidates[name] = {"cubin": built.cubin, "variant": {k.name: full[k.name] for k in fam.runtime_knobs},
+            candidates[name] = {"cubin": built.cubin, "variant": fam.runtime_config(full),
                                 "launch": launch_spec(fam, full, shape, target)}
         reply = backend.compare(shape, candidates, torch=False)
         if reply.get("status") != "ok":

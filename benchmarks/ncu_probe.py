@@ -53,7 +53,7 @@ def main() -> None:
     buf.B[...] = cp.random.standard_normal(buf.B.shape, dtype=cp.float32).astype(cp.float16)
     stream = cp.cuda.Stream(non_blocking=True)
     cublas = Cublas(stream)
-    variant = {k.name: full[k.name] for k in fam.runtime_knobs}
+    variant = fam.runtime_config(full)
     ours = kernel.launcher(variant)
     with stream:
         for _ in range(args.launches):

@@ -78,7 +78,7 @@ def main() -> None:
     sm_count = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     buf = Buffers(shape.M, shape.N, shape.K)
     stream = cp.cuda.Stream(non_blocking=True)
-    variant = {k.name: full[k.name] for k in fam.runtime_knobs}
+    variant = fam.runtime_config(full)
     spec = launch_spec(fam, full, shape, target) | {"sm_count": sm_count}
     contenders = {"cublas": Cublas(stream)}
     lt = CublasLt(stream, buf)

@@ -154,7 +154,7 @@ def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(spa
     assert not fam.violations(full, shape, backend.target)
     built = compile_source(render(fam, full, "sm_90a"), "sm_90a", artifact=fam.artifact)
     assert built.ok, built.error
-    variant = {k.name: full[k.name] for k in fam.runtime_knobs}
+    variant = fam.runtime_config(full)
     launch = launch_spec(fam, full, shape, backend.target)
     plain = {"cubin": built.cubin, "variant": variant, "launch": launch}
     reply = backend.compare(shape, {"plain": plain, "pdl": plain | {"launch": launch | {"pdl": True}}}, torch=False)

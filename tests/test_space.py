@@ -15,6 +15,7 @@ def test_shipped_space_loads(space):
     fam = space.family("cute_sm80")
     assert [k.name for k in fam.runtime_knobs] == ["SWIZZLE_LOG"]
     assert "SWIZZLE_LOG" not in fam.compile_config(fam.defaults())
+    assert fam.runtime_config(fam.defaults() | {"SWIZZLE_LOG": 2}) == {"SWIZZLE_LOG": 2}
     assert len(fam.runtime_variants()) == len(fam.knobs["SWIZZLE_LOG"].values)
     assert space.shapes["default"][0] == parse_shape("4096x4096x8192")
 

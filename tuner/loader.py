@@ -50,7 +50,7 @@ def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
     shape = parse_shape(entry["shape"])
     changed = bool(entry.get("template_hash")) and template_hash(fam) != entry["template_hash"]
     return EntryBuild(family=fam.name, template=fam.template, config=config,
-                      variant={k.name: config[k.name] for k in fam.runtime_knobs},
+                      variant=fam.runtime_config(config),
                       source=render(fam, config, target.arch, accumulate=entry.get("accumulate", "fp32")),
                       artifact=fam.artifact,
                       launch=launch_spec(fam, config, shape, target), template_changed=changed)

@@ -235,6 +235,10 @@ class Family:
     def compile_config(self, config: dict[str, Any]) -> dict[str, Any]:
         return {k.name: config[k.name] for k in self.compile_knobs}
 
+    def runtime_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The run-time knobs of a full config: the `variant` a library build is launched with."""
+        return {k.name: config[k.name] for k in self.runtime_knobs}
+
     def runtime_variants(self) -> list[dict[str, Any]]:
         """Every combination of run-time knob values (one cubin serves them all)."""
         knobs = self.runtime_knobs

@@ -210,7 +210,7 @@ def _spawn_workers(n: int, name: str, storage: str, trials: int, args: list[str]
     """N `hgemm-tune worker` processes on one study, one per GPU (round robin), sharing the
     compile cache on disk; this process only shows their joint progress."""
     from tuner.export import best_trial
-    from tuner.search import evaluated_trials, open_study
+    from tuner.search import INTERRUPTS, evaluated_trials, open_study
 
     gpus = _gpu_count() if backend == "gpu" else 1
     per_jobs = jobs or max(1, (os.cpu_count() or 1) // n)
@@ -223,13 +223,19 @@ def _spawn_workers(n: int, name: str, storage: str, trials: int, args: list[str]
         log = open(Path("runs") / f"worker-{i}.log", "w")  # noqa: SIM115 - closed with the process
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     study = open_study(name, storage)
-    with _progress() as bar:
+    with _progress() as bar, INTERRUPTS.handled():
         task = bar.add_task(f"{n} workers", total=trials, status="")
         try:
             while any(p.poll() is None for p, _ in procs):
                 time.sleep(1.0)
-                b = best_trial(study)
-                bar.update(task, completed=min(evaluated_trials(study), trials),
+                # Ctrl-C inside a storage read can leave this process holding SQLite's read lock
+                # (the traceback keeps the cursor alive), and then no worker can write its FAIL
+                # "interrupted" before we kill it (CI: 16 trials left RUNNING). Deferred, the
+                # interrupt lands between reads.
+                with INTERRUPTS.deferred():
+                    b = best_trial(study)
+                    done = evaluated_trials(study)
+                bar.update(task, completed=min(done, trials),
                            status=f"best {b.value:.2f} us" if b else "no verified kernel yet")
         except KeyboardInterrupt:
             # Each worker tells the trials it holds as FAIL ("interrupted") on SIGTERM, then exits:
@@ -243,6 +249,8 @@ def _spawn_workers(n: int, name: str, storage: str, trials: int, args: list[str]
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+                    console.print(f"[yellow]a worker did not stop within {WORKER_STOP_S:.0f} s and was killed[/]: "
+                                  "the trials it held stay RUNNING until the next run fails them as stale")
                 log.close()
             console.print("[yellow]interrupted[/]: every finished trial is saved; run the same command to resume.")
             raise typer.Exit(130) from None

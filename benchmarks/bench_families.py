@@ -29,10 +29,9 @@ import statistics
 import time
 from pathlib import Path
 
-import optuna
-
 from tuner.bench import GpuBackend
 from tuner.compile import CompilePool
+from tuner.confirm import distinct_best, stored_config
 from tuner.export import load_studies
 from tuner.render import render
 from tuner.search import launch_spec, study_name, tune
@@ -60,16 +59,8 @@ def top_of_family(storage: str, shape: str, family: str, k: int, complete=None) 
     trials = []
     for st in load_studies(storage):
         if st.user_attrs.get("shape") == shape:
-            trials += [t for t in st.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE
-                       and t.user_attrs.get("status") == "ok" and t.user_attrs.get("family") == family]
-    seen, out = set(), []
-    for t in sorted(trials, key=lambda t: t.value):
-        stored = t.user_attrs["config"] | t.user_attrs["variant"]
-        key = json.dumps(complete(stored) if complete else stored, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out[:k]
+            trials += [t for t in st.get_trials(deepcopy=False) if t.user_attrs.get("family") == family]
+    return distinct_best(trials, k, (lambda t: complete(stored_config(t))) if complete else None)
 
 
 def parse_overrides(text: str) -> dict:

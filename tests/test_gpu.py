@@ -239,3 +239,33 @@ def test_loader_matches_the_tuned_kernel_on_cupy_and_torch(tmp_path, backend, fa
     assert isinstance(tc, torch.Tensor) and torch.equal(tc, torch.from_dlpack(c))
     # A shape not in the file falls back to cuBLAS.
     assert gemm.kernel_for(parse_shape("64x64x64")) is None
+
+
+@pytest.mark.parametrize("family", ["wmma", "cute_sm90"])
+def test_confirm_retimes_the_best_kernels_in_fresh_workers(tmp_path, backend, family):
+    """`tune`'s confirmation on the GPU: the best kernels rebuilt, re-verified and timed with the
+    vendors in fresh workers; export takes the median winner (tails in M, N and K)."""
+    from tuner.compile import CompilePool
+    from tuner.confirm import confirm
+    from tuner.export import export_studies, write_json
+    from tuner.search import tune
+    from tuner.space import load_space
+
+    space = load_space(Path(__file__).parent.parent / "space.yaml")
+    shape = parse_shape("1001x520x336")  # odd M; K, N multiples of 8 (TMA strides)
+    pool = CompilePool(4)
+    try:
+        study = tune(space, [family], shape, backend, trials=4, storage=f"sqlite:///{tmp_path}/c.db", pool=pool)
+        rec = confirm(space, study, backend, pool, top=2, runs=2)
+    finally:
+        pool.close()
+    assert rec is not None and rec["runs"] == 2 and rec["winner"] is not None, rec
+    for k in rec["kernels"]:
+        assert k["verified"], k["reason"]
+        assert len(k["times_us"]) == 2 and all(t > 0 for t in k["times_us"])
+        assert k["cublas_us"] > 0 and k["speedup_cublas"] > 0
+    (e,) = export_studies([study])["entries"]
+    winner = next(k for k in rec["kernels"] if k["trial"] == rec["winner"])
+    assert e["trial"] == rec["winner"] and e["time_us"] == pytest.approx(winner["median_us"])
+    assert e["confirm"]["verified"] and e["baselines_us"]["cublas"] == pytest.approx(winner["cublas_us"])
+    write_json(export_studies([study]), tmp_path / "best.json")

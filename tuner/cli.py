@@ -126,6 +126,55 @@ def _summary(study, shape) -> Table:
     return table
 
 
+ConfirmOpt = typer.Option(
+    3, "--confirm", min=0,
+    help="After the search, re-verify and re-time the K best distinct kernels with cuBLAS and cuBLASLt in "
+         "--confirm-runs fresh worker runs and export the fastest by median time (a trial's time is one "
+         "measurement; near-equal kernels swap places by a few percent from run to run). 0: export the "
+         "in-study best.")
+ConfirmRunsOpt = typer.Option(3, "--confirm-runs", min=1, help="Fresh worker runs of the confirmation.")
+
+
+def _confirm(space, study, be, pool, top: int, runs: int, bar: tuple | None = None) -> None:
+    """Confirm the study's best kernels (tuner.confirm) unless a confirmation as large still
+    holds, and print what it measured; with `bar` (a progress bar and task already shown, as
+    in a sweep) only report progress there. Export then takes the confirmed winner."""
+    from rich.markup import escape
+
+    from tuner.confirm import confirm, confirmation
+    from tuner.export import best_trial
+
+    if not top or be.simulated or study.user_attrs.get("accumulate", "fp32") != "fp32":
+        return
+    held = confirmation(study, best_trial(study))
+    if held and held["top"] >= top and held["runs"] >= runs:
+        if bar is None:
+            console.print(f"confirmed earlier ({held['top']} kernels, {held['runs']} runs): trial #{held['trial']}")
+        return
+    if bar is not None:
+        progress, task = bar
+        progress.reset(task, total=runs, status=f"confirming the top {top}")
+        confirm(space, study, be, pool, top=top, runs=runs, on_run=lambda i, _: progress.update(task, completed=i + 1))
+        return
+    with _progress() as progress:
+        task = progress.add_task(f"confirming the top {top}", total=runs, status="")
+        record = confirm(space, study, be, pool, top=top, runs=runs,
+                         on_run=lambda i, reply: progress.update(task, completed=i + 1,
+                                                                 status=reply.get("status", "")))
+    if record is None:
+        return
+    table = Table(title=f"confirmation: {record['top']} kernels x {record['runs']} fresh runs, medians")
+    for col in ("trial", "family", "in-study us", "median us", "runs us", "vs cuBLAS", "verified"):
+        table.add_column(col, justify="left" if col in ("family", "verified") else "right")
+    for k in sorted(record["kernels"], key=lambda k: (k["median_us"] is None, k["median_us"] or 0)):
+        mark = " *" if k["trial"] == record["winner"] else ""
+        table.add_row(f"#{k['trial']}{mark}", k["family"], _fmt(k["in_study_us"], ".2f"), _fmt(k["median_us"], ".2f"),
+                      " ".join(_fmt(t, ".2f") for t in k["times_us"]), _fmt(k["speedup_cublas"], ".3f"),
+                      "yes" if k["verified"] else f"[red]no[/]: {escape(str(k['reason']))}")
+    table.caption = "* exported" if record["winner"] is not None else "[red]no kernel passed every run[/]"
+    out_console.print(table)
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console)
@@ -281,8 +330,11 @@ def tune(
     space_file: Path = SpaceOpt,
     output: Path | None = typer.Option(None, "-o", "--output", help="Also write the best config JSON here."),
     accumulate: str = AccumulateOpt,
+    confirm: int = ConfirmOpt,
+    confirm_runs: int = ConfirmRunsOpt,
 ) -> None:
-    """Tune one shape: sample configs, compile, verify, time against cuBLAS; export the best as JSON."""
+    """Tune one shape: sample configs, compile, verify, time against cuBLAS; confirm the best few
+    in fresh runs; export the winner as JSON."""
     from tuner.export import export_studies, write_json
     from tuner.search import evaluated_trials, measured_trials, study_name
     from tuner.shapes import parse_shape
@@ -312,6 +364,9 @@ def tune(
         _spawn_workers(workers, name, storage, trials, args, jobs, backend)
     elapsed = time.perf_counter() - started
     out_console.print(_summary(st, shp))
+    if confirm and not be.simulated:  # each confirmation run starts a fresh worker
+        with _measuring(be, jobs, "the search's trials are saved; run the same command to confirm.") as pool:
+            _confirm(space, st, be, pool, confirm, confirm_runs)
     data = export_studies([st])
     path = write_json(data, Path("runs") / f"{name}.json")
     if output:
@@ -416,11 +471,14 @@ def sweep(
     seed: int | None = typer.Option(None, help="Sampler seed."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Also write the best configs JSON here."),
     accumulate: str = AccumulateOpt,
+    confirm: int = ConfirmOpt,
+    confirm_runs: int = ConfirmRunsOpt,
 ) -> None:
-    """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable."""
+    """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable;
+    confirm each shape's best few in fresh runs."""
     import optuna
 
-    from tuner.export import best_trial, export_studies, write_json
+    from tuner.export import export_studies, write_json
     from tuner.search import evaluated_trials, existing_study, hang_timeout_s, measured_trials, study_name
     from tuner.search import tune as run_tune
     from tuner.space import load_space
@@ -453,6 +511,7 @@ def sweep(
             st = existing_study(name, backing)  # created by run_tune only: a skipped shape leaves no study
             if st is not None and (evaluated_trials(st) >= trials_per_shape
                                    or st.user_attrs.get("sweep_done_trials", 0) >= trials_per_shape):
+                _confirm(space, st, be, pool, confirm, confirm_runs, bar=(bar, inner))  # unless it holds
                 done_studies.append(st)  # finished in an earlier run
                 bar.advance(over)
                 continue
@@ -478,20 +537,24 @@ def sweep(
             if evaluated_trials(st) and not (deadline and time.perf_counter() >= deadline):
                 # Stopped by its count, patience or its own time box: done at this trial budget.
                 st.set_user_attr("sweep_done_trials", trials_per_shape)
+                _confirm(space, st, be, pool, confirm, confirm_runs, bar=(bar, inner))
             done_studies.append(st)
             bar.advance(over)
     data = export_studies(done_studies)
     # The export's pick: our kernel only where it beat the vendor library, else cuBLAS.
     picks = {e.get("shape"): e.get("pick") for e in data.get("entries", [])}
-    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "pick", "trials",
+    exported = {e["study"]: e for e in data["entries"]}
+    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "pick", "trials", "confirmed",
                   title="sweep" + ("  [SIMULATED]" if be.simulated else ""))
     for st in done_studies:
-        b = best_trial(st)
-        a = b.user_attrs if b else {}
+        e = exported.get(st.study_name, {})
         shp_s = st.user_attrs.get("shape", "?")
-        table.add_row(shp_s, a.get("family", "-"), _fmt(b.value if b else None, ".2f"),
-                      _fmt(a.get("tflops"), ".1f"), _fmt(a.get("cublas_us"), ".2f"),
-                      _fmt(a.get("speedup_cublas"), ".3f"), str(picks.get(shp_s, "-")), str(measured_trials(st)))
+        conf = e.get("confirm")
+        table.add_row(shp_s, e.get("family", "-"), _fmt(e.get("time_us"), ".2f"), _fmt(e.get("tflops"), ".1f"),
+                      _fmt(e.get("baselines_us", {}).get("cublas"), ".2f"),
+                      _fmt(e.get("speedup", {}).get("cublas"), ".3f"),
+                      str(picks.get(shp_s, "-")), str(measured_trials(st)),
+                      "-" if not conf else (f"{conf['runs']} runs" if conf["verified"] else "[red]failed[/]"))
     out_console.print(table)
     for shp_s, why in skipped:
         console.print(f"[yellow]skipped {shp_s}[/]: {why}")
@@ -553,12 +616,13 @@ def render(
 def show(
     shape: str | None = typer.Option(None, "--shape", "-s", help="Show the best trial of this shape's study."),
     study: str | None = typer.Option(None, help="Study name (see `hgemm-tune studies`)."),
-    trial: int | None = typer.Option(None, help="Trial number (default: the best)."),
+    trial: int | None = typer.Option(None, help="Trial number (default: the exported one)."),
     storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage URL."),
     space_file: Path = SpaceOpt,
 ) -> None:
-    """Print the CUDA source of a finished trial (the best one by default)."""
-    from tuner.export import best_trial, load_studies
+    """Print the CUDA source of a finished trial (by default the one export takes: the confirmed
+    winner, else the in-study best)."""
+    from tuner.export import exported_trial, load_studies
     from tuner.render import render as render_source
     from tuner.render import source_hash
     from tuner.space import load_space
@@ -575,7 +639,7 @@ def show(
     st = studies[0]
     if trial is not None and not 0 <= trial < len(st.trials):
         raise UserError(f"study {st.study_name} has no trial {trial} (it has 0..{len(st.trials) - 1})")
-    t = st.trials[trial] if trial is not None else best_trial(st)
+    t = st.trials[trial] if trial is not None else exported_trial(st)[0]
     if t is None or "family" not in t.user_attrs or "config" not in t.user_attrs:
         raise UserError(f"study {st.study_name}: no kernel to show for "
                         + (f"trial {trial} (a duplicate or interrupted trial)" if trial is not None else "its best"))

@@ -74,33 +74,56 @@ def study_stats(study: optuna.Study) -> dict[str, Any]:
     }
 
 
-def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial, confirmed: dict | None = None) -> dict[str, Any]:
+    """The export entry of one trial; `confirmed` (tuner.confirm.confirmation) replaces its
+    in-study time and cuBLAS time with the medians of the confirmation runs."""
     attrs = study.user_attrs
     shape = parse_shape(attrs["shape"])
     target = Target(**attrs["target"])
     a = trial.user_attrs
+    time_us, baselines, speedups = a["time_us"], {"cublas": a.get("cublas_us")}, {"cublas": a.get("speedup_cublas")}
+    extra: dict[str, Any] = {}
+    if confirmed is not None:
+        extra["confirm"] = {k: confirmed[k] for k in ("runs", "top", "verified", "reason", "in_study_us", "times_us")}
+        if confirmed["median_us"] is not None:
+            time_us = confirmed["median_us"]
+            baselines = {v: confirmed[f"{v}_us"] for v in ("cublas", "cublaslt", "cublaslt_auto")}
+            speedups = {v: confirmed[f"speedup_{v}"] for v in ("cublas", "cublaslt", "cublaslt_auto")}
+        else:  # failed re-verification: never the pick
+            speedups = {"cublas": None}
     roof = target.roofline_us(shape.flops, shape.min_bytes)
-    speedups = {"cublas": a.get("speedup_cublas")}
     return {
         "gpu": target.name, "arch": target.arch, "shape": str(shape), "M": shape.M, "N": shape.N, "K": shape.K,
         "layout": "TN", "accumulate": attrs.get("accumulate", "fp32"),
         "family": a["family"], "template_hash": attrs.get("template_hashes", {}).get(a["family"]),
         "knobs": a["config"] | a.get("variant", {}), "source_hash": a.get("source_hash"),
-        "time_us": a["time_us"], "tflops": a["tflops"], "roofline_fraction": roof / a["time_us"],
-        "baselines_us": {"cublas": a.get("cublas_us")}, "speedup": speedups,
-        "beats_vendor": bool(a.get("speedup_cublas") and a["speedup_cublas"] > 1.0),
-        "pick": a["family"] if (a.get("speedup_cublas") or 0) > 1.0 else "cublas",
+        "time_us": time_us, "tflops": shape.tflops(time_us), "roofline_fraction": roof / time_us,
+        "baselines_us": baselines, "speedup": speedups,
+        "beats_vendor": bool(speedups["cublas"] and speedups["cublas"] > 1.0),
+        "pick": a["family"] if (speedups["cublas"] or 0) > 1.0 else "cublas",
         "verification": a.get("verify", {}), "simulated": bool(a.get("simulated")),
         "study": study.study_name, "trial": trial.number, "measured_on": a.get("gpu"),
-    }
+    } | extra
+
+
+def exported_trial(study: optuna.Study) -> tuple[optuna.trial.FrozenTrial | None, dict | None]:
+    """The trial export takes and its confirmation record: the confirmed winner while the
+    study's confirmation holds, else the in-study best (and None)."""
+    from tuner.confirm import confirmation
+
+    best = best_trial(study)
+    confirmed = confirmation(study, best)
+    if confirmed is None:
+        return best, None
+    return study.get_trials(deepcopy=False)[confirmed["trial"]], confirmed
 
 
 def export_studies(studies: list[optuna.Study]) -> dict[str, Any]:
     entries = []
     for study in studies:
-        trial = best_trial(study)
+        trial, confirmed = exported_trial(study)
         if trial is not None:
-            entries.append(entry(study, trial))
+            entries.append(entry(study, trial, confirmed))
     return {
         "schema_version": SCHEMA_VERSION, "tool": "hgemm-tune", "tool_version": tuner.__version__,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

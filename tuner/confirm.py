@@ -1,0 +1,159 @@
+"""Confirm: re-time a study's K best kernels in fresh runs and keep the fastest by median.
+
+One pipeline stage between search and export. A trial's time is one measurement, and
+near-equal configs swap places from run to run by a few percent (on the H200, 1-4% at
+15-40 us: NOTES.md, session 7), so the in-study best is partly luck. Confirm takes the K
+fastest distinct verified kernels of the study and, in R runs, each in a fresh GPU worker
+(new CUDA context, new buffers), verifies them again and times them with cuBLAS and
+cuBLASLt, interleaved (`backend.compare`). The winner is the kernel with the lowest median
+time among those that passed verification in every run. The result is plain data, stored
+on the study as its `confirm` user attribute; export takes the winner and its medians from
+there while the confirmation still holds (`confirmed_winner`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import optuna
+
+from tuner.errors import UserError
+from tuner.render import RenderError, render
+from tuner.search import launch_spec
+from tuner.shapes import parse_shape
+
+VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
+
+
+def stored_config(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    """A trial's kernel as stored: compile-time config and run-time variant."""
+    return t.user_attrs["config"] | t.user_attrs.get("variant", {})
+
+
+def distinct_best(trials: Iterable[optuna.trial.FrozenTrial], k: int,
+                  complete: Callable[[optuna.trial.FrozenTrial], dict] | None = None) -> list:
+    """The k fastest verified trials, one per distinct kernel (family, compile and run-time
+    knobs). `complete` fills in knobs added since older studies were stored, so that the same
+    kernel stored with and without a since-added default counts once."""
+    ok = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("status") == "ok"]
+    seen, out = set(), []
+    for t in sorted(ok, key=lambda t: t.value):
+        key = t.user_attrs["family"] + json.dumps(complete(t) if complete else stored_config(t), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out[:k]
+
+
+def _full_config(space, t: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    return space.family(t.user_attrs["family"]).complete_stored(stored_config(t))
+
+
+def build_candidates(space, trials: list, shape, target, pool) -> tuple[dict[str, dict], dict[str, str]]:
+    """Render and compile each trial's kernel with today's templates: ({'#N': candidate}, {'#N': why not})
+    where N is the trial number and a candidate is what `backend.compare` takes."""
+    futures, failed = {}, {}
+    for t in trials:
+        name = f"#{t.number}"
+        try:
+            fam = space.family(t.user_attrs["family"])
+            config = _full_config(space, t)
+            why = fam.violations(config, shape, target)
+            if why:
+                raise UserError(f"no longer valid: {'; '.join(why)}")
+            futures[name] = (fam, config, pool.submit(render(fam, config, target.arch), target.arch, fam.artifact))
+        except (UserError, RenderError) as exc:
+            failed[name] = str(exc)
+    candidates = {}
+    for name, (fam, config, future) in futures.items():
+        res = future.result()
+        if not res.ok:
+            failed[name] = "does not compile: " + " ".join((res.error or "").strip().splitlines()[:2])
+            continue
+        candidates[name] = {"cubin": res.cubin, "launch": launch_spec(fam, config, shape, target),
+                            "variant": fam.runtime_config(config)}
+    return candidates, failed
+
+
+def summarize(trials: list, runs: list[dict], failed: dict[str, str], gpu: str) -> dict[str, Any]:
+    """Compare replies (one per run) -> the confirmation record: per kernel its run times and
+    medians, and the winner (lowest median among those verified and timed in every run)."""
+    kernels = []
+    for t in trials:
+        name = f"#{t.number}"
+        k: dict[str, Any] = {"trial": t.number, "family": t.user_attrs["family"], "in_study_us": t.value,
+                             "times_us": [], "vendors_us": [], "verified": name not in failed,
+                             "reason": failed.get(name)}
+        for reply in runs:
+            if reply.get("status") != "ok":
+                k["verified"], k["reason"] = False, k["reason"] or f"run failed: {reply.get('reason')}"
+                continue
+            verdict = reply["verify"].get(name, {"ok": False, "reason": "not measured"})
+            if not verdict["ok"]:
+                k["verified"], k["reason"] = False, k["reason"] or verdict.get("reason")
+            k["times_us"].append(reply["times"].get(name) if verdict["ok"] else None)
+            k["vendors_us"].append({v: reply["times"].get(v) for v in VENDORS})
+        timed = k["verified"] and bool(runs) and all(k["times_us"])
+        k["median_us"] = statistics.median(k["times_us"]) if timed else None
+        for v in VENDORS:
+            vs = [r[v] for r in k["vendors_us"] if r.get(v)]
+            k[f"{v}_us"] = statistics.median(vs) if vs else None
+            ratios = [r[v] / t_ for t_, r in zip(k["times_us"], k["vendors_us"], strict=True) if t_ and r.get(v)]
+            k[f"speedup_{v}"] = statistics.median(ratios) if timed and ratios else None
+        kernels.append(k)
+    timed = [k for k in kernels if k["median_us"] is not None]
+    winner = min(timed, key=lambda k: (k["median_us"], k["in_study_us"])) if timed else None
+    return {"runs": len(runs), "top": len(trials), "gpu": gpu, "kernels": kernels,
+            "winner": winner["trial"] if winner else None,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def confirm(space, study: optuna.Study, backend, pool, *, top: int = 3, runs: int = 3,
+            on_run: Callable[[int, dict], None] | None = None) -> dict[str, Any] | None:
+    """Re-time the study's `top` best kernels in `runs` fresh worker runs; store and return the
+    record (None when there is nothing to confirm: no verified trial, or a simulated backend)."""
+    if backend.simulated or top < 1 or runs < 1:
+        return None
+    if study.user_attrs.get("accumulate", "fp32") != "fp32":
+        return None  # the vendors are timed with fp32 accumulation only (see GpuBackend.compare)
+
+    def complete(t):
+        try:
+            return _full_config(space, t)
+        except UserError:  # a family the space no longer has: compared as stored
+            return stored_config(t)
+
+    trials = distinct_best(study.get_trials(deepcopy=False), top, complete)
+    if not trials:
+        return None
+    shape = parse_shape(study.user_attrs["shape"])
+    candidates, failed = build_candidates(space, trials, shape, backend.target, pool)
+    replies = []
+    for i in range(runs if candidates else 0):
+        backend.restart()  # every run in a fresh worker: one allocation's luck is not every run's
+        reply = backend.compare(shape, candidates, torch=False)
+        replies.append(reply)
+        if on_run:
+            on_run(i, reply)
+    record = summarize(trials, replies, failed, backend.name)
+    study.set_user_attr("confirm", record)
+    return record
+
+
+def confirmation(study: optuna.Study, in_study_best: optuna.trial.FrozenTrial | None) -> dict | None:
+    """The kernel record export should use, while the study's confirmation holds (it included
+    the study's current best; a study resumed past it is confirmed again by the next `tune`,
+    and until then its in-study best is exported as measured in the study): the winner's, or,
+    when no kernel passed every run, the in-study best's, which says why it failed."""
+    record = study.user_attrs.get("confirm")
+    if not record or in_study_best is None:
+        return None
+    kernels = {k["trial"]: k for k in record["kernels"]}
+    if in_study_best.number not in kernels:
+        return None
+    chosen = kernels[record["winner"]] if record.get("winner") is not None else kernels[in_study_best.number]
+    return chosen | {"runs": record["runs"], "top": record["top"]}

@@ -64,6 +64,14 @@ for step in "$@"; do
              python3 -m tuner.cli report "$OUT/sweep27_bench/bench.json" --out "$OUT/sweep27_report"
              python3 -m tuner.cli report "$OUT/sweep27.json" --out "$OUT/sweep27_report" ;;
     gpu-tests) timeout "$(cap ${GPU_TESTS_TIMEOUT:-300})" python3 -m pytest -q -m gpu tests -ra ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    confirm) # hgemm-tune's confirm stage on stored studies (no new trials): CONFIRM_SHAPES, CONFIRM_TOP, CONFIRM_RUNS
+             for s in ${CONFIRM_SHAPES:-16384x128x4096}; do
+               start=$SECONDS
+               timeout "$(cap ${CONFIRM_TIMEOUT:-200})" python3 -m tuner.cli --shape "$s" --families cute_sm90 --trials 1 \
+                 --storage "${BENCH_STORAGE:-sqlite:///runs/hgemm.db}" --confirm "${CONFIRM_TOP:-3}" \
+                 --confirm-runs "${CONFIRM_RUNS:-3}" -o "$OUT/confirm_$s.json" 2>&1 | tee -a "$OUT/confirm.log" | tail -12
+               echo "confirm $s: $((SECONDS - start)) s" | tee -a "$OUT/confirm.log"
+             done ;;
     tuneshape) # one cute_sm90 study: TUNE_SHAPE, TUNE_TRIALS, TUNE_TIMEOUT
                timeout "$(cap 570)" python3 -m tuner.cli --shape "${TUNE_SHAPE:-256x256x8192}" --trials "${TUNE_TRIALS:-8}" --seed 0 \
                  --families cute_sm90 --timeout "$(cap ${TUNE_TIMEOUT:-150})" 2>&1 | tee "$OUT/tuneshape.log" | grep -v "tuning" | tail -14 ;;

@@ -174,7 +174,7 @@ def test_a_simulated_backend_confirms_nothing(space, study):
 
 
 @pytest.mark.nvcc
-def test_cli_confirm_prints_the_runs_and_keeps_a_holding_confirmation(space, study, cubins, capsys):
+def test_cli_confirm_prints_the_runs_and_keeps_a_holding_confirmation(space, study, cubins, capsys, tmp_path):
     from rich.progress import Progress
 
     from tuner import cli
@@ -195,3 +195,6 @@ def test_cli_confirm_prints_the_runs_and_keeps_a_holding_confirmation(space, stu
         assert len(be.seen) == 5 and study.user_attrs["confirm"]["runs"] == 3
     finally:
         pool.close()
+    capsys.readouterr()
+    cli.studies(storage=f"sqlite:///{tmp_path}/c.db")
+    assert "median of 3 confirm runs" in capsys.readouterr().out.replace("\n", " ")

@@ -655,15 +655,21 @@ def show(
 
 @app.command()
 def studies(storage: str = typer.Option(DEFAULT_STORAGE, help="Optuna storage URL.")) -> None:
-    """List the studies in a storage with their best time."""
-    from tuner.export import best_trial, load_studies
+    """List the studies in a storage with their best time (in-study) and what export takes."""
+    from tuner.export import best_trial, exported_trial, load_studies
 
-    table = Table("study", "trials", "best us", "TFLOP/s", "vs cuBLAS")
+    table = Table("study", "trials", "best us", "TFLOP/s", "vs cuBLAS", "exported")
     for st in load_studies(storage):
         b = best_trial(st)
+        t, confirmed = exported_trial(st)
+        if confirmed is not None:
+            what = (f"#{t.number}: {confirmed['median_us']:.2f} us, median of {confirmed['runs']} confirm runs"
+                    if confirmed["median_us"] is not None else f"cuBLAS (#{t.number} failed confirmation)")
+        else:
+            what = f"#{t.number} (unconfirmed)" if t else "-"
         table.add_row(st.study_name, str(len(st.trials)), _fmt(b.value if b else None, ".2f"),
                       _fmt(b.user_attrs.get("tflops") if b else None, ".1f"),
-                      _fmt(b.user_attrs.get("speedup_cublas") if b else None, ".3f"))
+                      _fmt(b.user_attrs.get("speedup_cublas") if b else None, ".3f"), what)
     out_console.print(table)
 
 
@@ -673,7 +679,8 @@ def export(
     output: Path = typer.Option(Path("best.json"), "-o", "--output", help="JSON file to write."),
     study: list[str] = typer.Option([], help="Only these studies (default: all)."),
 ) -> None:
-    """Write the best verified config of every study as JSON."""
+    """Write the best verified config of every study as JSON (the confirmed winner where the
+    study's confirmation holds, else its in-study best)."""
     from tuner.export import export_studies, load_studies, write_json
 
     data = export_studies(load_studies(storage, study or None))

@@ -31,17 +31,16 @@ from pathlib import Path
 
 from tuner.bench import GpuBackend
 from tuner.compile import CompilePool
-from tuner.confirm import distinct_best, stored_config
+from tuner.confirm import VENDORS, PairedRuns, distinct_best, stored_config
 from tuner.export import load_studies
 from tuner.render import render
-from tuner.search import launch_spec, study_name, tune
+from tuner.search import compare_candidate, study_name, tune
 from tuner.shapes import parse_shape
 from tuner.space import UserError, load_space
 
 # Issue 3's shapes: big squares, skinny (M or N <= 256) and odd sizes (tails).
 SHAPES = ("4096x4096x8192,8192x8192x8192,16384x16384x16384,1024x1024x1024,256x4096x4096,64x8192x4096,"
           "8192x512x2048,128x16384x16384,16384x128x4096,3000x5000x1000")
-VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
 
 
 def best_of_family(storage: str, shape: str, family: str):
@@ -76,22 +75,13 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
-class Row:
-    """One contender's line of the table: median times over the reported runs and the per-run
-    ratios to each vendor (None where a run had no time)."""
+class Row(PairedRuns):
+    """One contender's line of the table: its runs (medians, per-run ratios to each vendor)."""
 
     def __init__(self, shape, name: str, note: str, times: list | None = None, vendors: list | None = None,
                  ok: bool | None = None):
+        super().__init__(times, vendors)
         self.shape, self.name, self.note, self.ok = shape, name, note, ok
-        self.times = times or []      # ours, one per run
-        self.vendors = vendors or []  # {vendor: us}, one per run
-
-    def median(self, vendor: str | None = None) -> float | None:
-        ts = [t for t in self.times if t] if vendor is None else [v.get(vendor) for v in self.vendors if v.get(vendor)]
-        return statistics.median(ts) if ts else None
-
-    def ratios(self, vendor: str) -> list[float]:
-        return [v[vendor] / t for t, v in zip(self.times, self.vendors, strict=True) if t and v.get(vendor)]
 
 
 def table(rows: list[Row], target, runs: int = 1) -> str:
@@ -188,7 +178,7 @@ def main() -> None:
     t0 = time.perf_counter()
     # Phase 1: tune (unless --trials 0) and pick every shape's bests, starting their builds
     # at once so that nvcc runs on every core while earlier shapes tune or are timed.
-    picked = []  # (shape, {contender: (family, compile future, run-time variant, full config, pdl)})
+    picked = []  # (shape, {contender: (family, compile future, full config, pdl)})
     for shape_s in args.shapes.split(","):
         shape = parse_shape(shape_s)
         builds = {}
@@ -208,8 +198,7 @@ def main() -> None:
             stored = [fam.complete_stored(t.user_attrs["config"] | t.user_attrs["variant"]) for t in top]
             for i, config in enumerate(stored):
                 future = pool.submit(render(fam, config, target.arch), target.arch, fam.artifact)
-                builds[fam_name + (f"#{i}" if args.top > 1 else "")] = (
-                    fam_name, future, fam.runtime_config(config), config, False)
+                builds[fam_name + (f"#{i}" if args.top > 1 else "")] = (fam_name, future, config, False)
             full = stored[0]  # --variant and --pdl apply to the stored best (#0 with --top), not the other top-K
             twin_sources = [fam_name + ("#0" if args.top > 1 else "")]
             for text in args.variant:
@@ -223,22 +212,21 @@ def main() -> None:
                 if changed == full or fam.violations(changed, shape, target):
                     continue  # the best already has these values, or they cannot run this shape
                 future = pool.submit(render(fam, changed, target.arch), target.arch, fam.artifact)
-                builds[f"{fam_name}+{text}"] = (fam_name, future, fam.runtime_config(changed), changed, False)
+                builds[f"{fam_name}+{text}"] = (fam_name, future, changed, False)
                 twin_sources.append(f"{fam_name}+{text}")
             if args.pdl and fam.artifact == "library":  # the same builds, launched with PDL
                 for name in twin_sources:
-                    builds[f"{name}+PDL"] = builds[name][:4] + (True,)
+                    builds[f"{name}+PDL"] = builds[name][:3] + (True,)
         picked.append((shape, builds))
     # Phase 2: verify again and time each shape's bests against the vendor libraries.
     for shape, builds in picked:
         candidates, configs = {}, {}
-        for fam_name, (fam_of, future, variant, full, pdl) in builds.items():
+        for fam_name, (fam_of, future, full, pdl) in builds.items():
             cres = future.result()
             if not cres.ok:
                 rows.append(Row(shape, fam_name, f"build failed: {(cres.error or '')[:200]}"))
                 continue
-            launch = launch_spec(space.family(fam_of), full, shape, target) | {"pdl": pdl}
-            candidates[fam_name] = {"cubin": cres.cubin, "variant": variant, "launch": launch}
+            candidates[fam_name] = compare_candidate(space.family(fam_of), full, shape, target, cres.cubin, pdl)
             configs[fam_name] = full
         if args.top > 1 and candidates:
             select(backend, shape, candidates, configs, rows)

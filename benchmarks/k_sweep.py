@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_families import VENDORS, best_of_family, parse_overrides  # this script's folder
+from bench_families import best_of_family, parse_overrides  # this script's folder
 
 from tuner.bench import GpuBackend
 from tuner.compile import CompilePool
+from tuner.confirm import VENDORS
 from tuner.render import render
-from tuner.search import launch_spec
+from tuner.search import compare_candidate
 from tuner.shapes import Shape, parse_shape
 from tuner.space import load_space
 
@@ -69,8 +70,7 @@ def main() -> None:
                 raise SystemExit(f"{name}: build failed: {(built.error or '')[:300]}")
             if fam.violations(full, shape, target):
                 continue
-            candidates[name] = {"cubin": built.cubin, "variant": fam.runtime_config(full),
-                                "launch": launch_spec(fam, full, shape, target)}
+            candidates[name] = compare_candidate(fam, full, shape, target, built.cubin)
         reply = backend.compare(shape, candidates, torch=False)
         if reply.get("status") != "ok":
             raise SystemExit(f"{shape}: compare failed: {reply.get('reason')}")

@@ -141,17 +141,17 @@ def _confirm(space, study, be, pool, top: int, runs: int, bar: tuple | None = No
     in a sweep) only report progress there. Export then takes the confirmed winner."""
     from rich.markup import escape
 
-    from tuner.confirm import confirm, confirmation
+    from tuner.confirm import confirm, confirmable, confirmation
     from tuner.export import best_trial
 
-    if not top or be.simulated or study.user_attrs.get("accumulate", "fp32") != "fp32":
+    if not top or not confirmable(study, be):
         return
     held = confirmation(study, best_trial(study))
     if held and held["top"] >= top and held["runs"] >= runs:
         if bar is None:
             console.print(f"confirmed earlier ({held['top']} kernels, {held['runs']} runs): trial #{held['trial']}")
         return
-    if bar is not None:
+    if bar is not None:  # a sweep: its own bar, and its summary table shows what was exported
         progress, task = bar
         progress.reset(task, total=runs, status=f"confirming the top {top}")
         confirm(space, study, be, pool, top=top, runs=runs, on_run=lambda i, _: progress.update(task, completed=i + 1))
@@ -335,6 +335,7 @@ def tune(
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; confirm the best few
     in fresh runs; export the winner as JSON."""
+    from tuner.confirm import confirmable
     from tuner.export import export_studies, write_json
     from tuner.search import evaluated_trials, measured_trials, study_name
     from tuner.shapes import parse_shape
@@ -364,7 +365,7 @@ def tune(
         _spawn_workers(workers, name, storage, trials, args, jobs, backend)
     elapsed = time.perf_counter() - started
     out_console.print(_summary(st, shp))
-    if confirm and not be.simulated:  # each confirmation run starts a fresh worker
+    if confirm and confirmable(st, be):  # each confirmation run starts a fresh worker
         with _measuring(be, jobs, "the search's trials are saved; run the same command to confirm.") as pool:
             _confirm(space, st, be, pool, confirm, confirm_runs)
     data = export_studies([st])

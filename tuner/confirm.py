@@ -8,7 +8,7 @@ fastest distinct verified kernels of the study and, in R runs, each in a fresh G
 cuBLASLt, interleaved (`backend.compare`). The winner is the kernel with the lowest median
 time among those that passed verification in every run. The result is plain data, stored
 on the study as its `confirm` user attribute; export takes the winner and its medians from
-there while the confirmation still holds (`confirmed_winner`).
+there while the confirmation still holds (`confirmation`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,26 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.render import RenderError, render
-from tuner.search import launch_spec
+from tuner.search import compare_candidate
 from tuner.shapes import parse_shape
 
 VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
+
+
+class PairedRuns:
+    """One contender's times over several runs, beside each run's vendor times: medians over
+    the runs, and ratios paired within each run (None where a run had no time)."""
+
+    def __init__(self, times: list | None = None, vendors: list | None = None):
+        self.times = times if times is not None else []      # ours, one per run
+        self.vendors = vendors if vendors is not None else []  # {vendor: us}, one per run
+
+    def median(self, vendor: str | None = None) -> float | None:
+        ts = [t for t in self.times if t] if vendor is None else [v.get(vendor) for v in self.vendors if v.get(vendor)]
+        return statistics.median(ts) if ts else None
+
+    def ratios(self, vendor: str) -> list[float]:
+        return [v[vendor] / t for t, v in zip(self.times, self.vendors, strict=True) if t and v.get(vendor)]
 
 
 def stored_config(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
@@ -74,8 +90,7 @@ def build_candidates(space, trials: list, shape, target, pool) -> tuple[dict[str
         if not res.ok:
             failed[name] = "does not compile: " + " ".join((res.error or "").strip().splitlines()[:2])
             continue
-        candidates[name] = {"cubin": res.cubin, "launch": launch_spec(fam, config, shape, target),
-                            "variant": fam.runtime_config(config)}
+        candidates[name] = compare_candidate(fam, config, shape, target, res.cubin)
     return candidates, failed
 
 
@@ -98,11 +113,11 @@ def summarize(trials: list, runs: list[dict], failed: dict[str, str], gpu: str) 
             k["times_us"].append(reply["times"].get(name) if verdict["ok"] else None)
             k["vendors_us"].append({v: reply["times"].get(v) for v in VENDORS})
         timed = k["verified"] and bool(runs) and all(k["times_us"])
-        k["median_us"] = statistics.median(k["times_us"]) if timed else None
+        paired = PairedRuns(k["times_us"], k["vendors_us"])
+        k["median_us"] = paired.median() if timed else None
         for v in VENDORS:
-            vs = [r[v] for r in k["vendors_us"] if r.get(v)]
-            k[f"{v}_us"] = statistics.median(vs) if vs else None
-            ratios = [r[v] / t_ for t_, r in zip(k["times_us"], k["vendors_us"], strict=True) if t_ and r.get(v)]
+            k[f"{v}_us"] = paired.median(v)
+            ratios = paired.ratios(v)
             k[f"speedup_{v}"] = statistics.median(ratios) if timed and ratios else None
         kernels.append(k)
     timed = [k for k in kernels if k["median_us"] is not None]
@@ -112,14 +127,18 @@ def summarize(trials: list, runs: list[dict], failed: dict[str, str], gpu: str) 
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
+def confirmable(study: optuna.Study, backend) -> bool:
+    """Whether confirming means anything here: real measurements (not replayed), and fp32
+    accumulation (the vendors are timed with it only; see GpuBackend.compare)."""
+    return not backend.simulated and study.user_attrs.get("accumulate", "fp32") == "fp32"
+
+
 def confirm(space, study: optuna.Study, backend, pool, *, top: int = 3, runs: int = 3,
             on_run: Callable[[int, dict], None] | None = None) -> dict[str, Any] | None:
     """Re-time the study's `top` best kernels in `runs` fresh worker runs; store and return the
-    record (None when there is nothing to confirm: no verified trial, or a simulated backend)."""
-    if backend.simulated or top < 1 or runs < 1:
+    record (None when there is nothing to confirm: no verified trial, or not `confirmable`)."""
+    if top < 1 or runs < 1 or not confirmable(study, backend):
         return None
-    if study.user_attrs.get("accumulate", "fp32") != "fp32":
-        return None  # the vendors are timed with fp32 accumulation only (see GpuBackend.compare)
 
     def complete(t):
         try:

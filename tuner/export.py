@@ -77,6 +77,8 @@ def study_stats(study: optuna.Study) -> dict[str, Any]:
 def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial, confirmed: dict | None = None) -> dict[str, Any]:
     """The export entry of one trial; `confirmed` (tuner.confirm.confirmation) replaces its
     in-study time and cuBLAS time with the medians of the confirmation runs."""
+    from tuner.confirm import VENDORS
+
     attrs = study.user_attrs
     shape = parse_shape(attrs["shape"])
     target = Target(**attrs["target"])
@@ -87,8 +89,8 @@ def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial, confirmed: dict 
         extra["confirm"] = {k: confirmed[k] for k in ("runs", "top", "verified", "reason", "in_study_us", "times_us")}
         if confirmed["median_us"] is not None:
             time_us = confirmed["median_us"]
-            baselines = {v: confirmed[f"{v}_us"] for v in ("cublas", "cublaslt", "cublaslt_auto")}
-            speedups = {v: confirmed[f"speedup_{v}"] for v in ("cublas", "cublaslt", "cublaslt_auto")}
+            baselines = {v: confirmed[f"{v}_us"] for v in VENDORS}
+            speedups = {v: confirmed[f"speedup_{v}"] for v in VENDORS}
         else:  # failed re-verification: never the pick
             speedups = {"cublas": None}
     roof = target.roofline_us(shape.flops, shape.min_bytes)

@@ -153,6 +153,14 @@ def launch_spec(fam: Family, config: dict[str, Any], shape: Shape, target) -> di
     return {"artifact": "cubin", "grid": launch.grid, "block": launch.block, "smem": launch.smem}
 
 
+def compare_candidate(fam: Family, config: dict[str, Any], shape: Shape, target, binary: str,
+                      pdl: bool = False) -> dict[str, Any]:
+    """One candidate of `GpuBackend.compare`: the built binary of a full config, how to launch
+    it on `shape`, and the run-time knobs it runs with."""
+    return {"cubin": binary, "launch": launch_spec(fam, config, shape, target) | {"pdl": pdl},
+            "variant": fam.runtime_config(config)}
+
+
 def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: CompilePool | None,
             accumulate: str = "fp32") -> Pending:
     """Validate, render and (if the backend runs real code) start compiling one config."""

@@ -55,6 +55,11 @@ for step in "$@"; do
               timeout "$(cap ${KSWEEP_TIMEOUT:-200})" python3 benchmarks/k_sweep.py --shape "$s" --ks "${KSWEEP_KS:-1024,2048,4096,8192,16384}" \
                 --storage "${BENCH_STORAGE:-sqlite:///runs/hgemm.db}" "${VARIANT_ARGS[@]}" 2>&1 | tee -a "$OUT/k_sweep.log" | tail -14
             done ;;
+    timeline) # per-CTA clock stamps (benchmarks/timeline_probe.py): TIMELINE_SHAPE, TIMELINE_CONFIGS (';'-separated JSON)
+              CONFIG_ARGS=(); IFS=';' read -ra _configs <<< "${TIMELINE_CONFIGS:-$BEST_16384x128x4096}"
+              for c in "${_configs[@]}"; do CONFIG_ARGS+=(--config "$c"); done
+              timeout "$(cap ${TIMELINE_TIMEOUT:-300})" python3 benchmarks/timeline_probe.py --shape "${TIMELINE_SHAPE:-16384x128x4096}" \
+                "${CONFIG_ARGS[@]}" --runs "${TIMELINE_RUNS:-7}" --out "$OUT" 2>&1 | tee "$OUT/timeline.log" | tail -60 ;;
     sweep27) # issue 4: sweep the {256,2048,8192}^3 sub-grid, bench its export in both modes, plot
              timeout "$(cap ${SWEEP_TIMEOUT:-400})" python3 -m tuner.cli sweep space.yaml --shapes subgrid27 --families cute_sm90 \
                --trials-per-shape "${SWEEP_TRIALS:-12}" --budget "${SWEEP_BUDGET:-360}" --seed 0 \

@@ -77,6 +77,24 @@ def test_cute_sm90_tma_l2_promotion_reroutes_cutes_descriptor_call_only_when_ask
         assert redirect < src.index("#include <cute/tensor.hpp>")
 
 
+def test_cute_sm90_timeline_stamps_render_only_for_the_probe(space):
+    """TIMELINE (benchmarks/timeline_probe.py only) wraps the kernel in per-CTA clock stamps and
+    our producer loop; no tuned kernel ever carries them: the plain render launches CUTLASS's
+    kernel as it is."""
+    from tuner.render import make_env, template_vars
+
+    fam = space.family("cute_sm90")
+    full = fam.complete({})
+    plain = render(fam, full, "sm_90a")
+    assert "using LaunchedKernel = GemmKernel;" in plain and "using CollectiveMainloop = BuiltMainloop;" in plain
+    assert "timeline" not in plain and "globaltimer" not in plain
+    stamped = make_env(fam.templates_dir).get_template(fam.template).render(
+        **template_vars(fam, full, "sm_90a", "fp32"), TIMELINE=True)
+    assert "using LaunchedKernel = TimedKernel;" in stamped
+    assert "using CollectiveMainloop = TunedLoadMainloop<BuiltMainloop>;" in stamped  # stamps the loads
+    assert 'extern "C" int hgemm_timeline(' in stamped and "%%globaltimer" in stamped
+
+
 def test_broken_template_is_a_user_error(space, tmp_path):
     (tmp_path / "wmma.cu.j2").write_text("{{ NOT_A_KNOB }}")
     with pytest.raises(UserError, match="does not render"):

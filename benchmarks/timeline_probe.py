@@ -5,8 +5,9 @@
     python benchmarks/timeline_probe.py --plot-from DIR/timeline_16384x128x4096.json   (no GPU)
 
 Each config is rendered with TIMELINE=1 (templates/cute_sm90.cu.j2): the same kernel, with
-every CTA stamping its SM clock at entry, when its producer issues its first and last TMA
-load, when its consumers have issued their last tile's wgmmas, and at exit (after the
+every CTA stamping its SM clock at entry, when its producer enters our load() and issues its
+first TMA load, when its consumers enter the mainloop and see the first stage full, when the
+last load is issued, when the last tile's wgmmas are issued, and at exit (after the
 epilogue's stores), plus the global timer at entry and exit and its SM id. Each run times,
 with events around single launches queued behind a spin kernel (so the host's launch cost
 is not measured), the stamped kernel, the same kernel unstamped and cuBLAS, interleaved.
@@ -34,8 +35,15 @@ from tuner.shapes import parse_shape
 from tuner.space import load_space
 from tuner.target import target_for_arch
 
-FIELDS = ["entry", "first_load", "last_load", "mma_done", "exit", "global_entry", "global_exit", "sm"]
-EVENTS = ["entry", "first_load", "last_load", "mma_done", "exit"]  # clock stamps, in this order
+# One row per CTA, in the template's order (timeline::k*): SM-clock stamps, then the global timer and SM id.
+EVENTS = ["entry", "load_entry", "first_load", "mma_entry", "first_full", "last_load", "mma_done", "exit"]
+FIELDS = [*EVENTS, "global_entry", "global_exit", "sm"]
+# Derived spans (us) the summary prints: (name, from, to).
+SPANS = [("CUTLASS prologue (entry -> producer in load)", "entry", "load_entry"),
+         ("producer set-up (load -> first load issued)", "load_entry", "first_load"),
+         ("first load's latency (issued -> stage full)", "first_load", "first_full"),
+         ("consumers ready (entry -> mainloop)", "entry", "mma_entry"),
+         ("epilogue (last wgmmas issued -> exit)", "mma_done", "exit")]
 SPIN = r"""
 extern "C" __global__ void spin(long long ns) {
   long long start = clock64();
@@ -56,23 +64,24 @@ def build(fam, full: dict, arch: str, timeline: bool):
 def timeline_of(rows: list[list[int]]) -> dict:
     """Per-CTA times in us from the first CTA's entry: each CTA's clock stamps converted with
     the SM clock rate measured over its own lifetime (clock ticks / global-timer ns)."""
-    ctas = [r for r in rows if r[FIELDS.index("global_entry")]]
-    ghz = statistics.median((r[4] - r[0]) / max(1, r[6] - r[5]) for r in ctas)
-    t0 = min(r[5] for r in ctas)
-    per_cta = [{e: (r[5] - t0 + (r[i] - r[0]) / ghz) / 1e3 for i, e in enumerate(EVENTS)} | {"sm": r[7]}
-               for r in ctas]
-    entries = sorted({r[5] for r in ctas})
+    ctas = [dict(zip(FIELDS, r, strict=True)) for r in rows if r[FIELDS.index("global_entry")]]
+    ghz = statistics.median((c["exit"] - c["entry"]) / max(1, c["global_exit"] - c["global_entry"]) for c in ctas)
+    t0 = min(c["global_entry"] for c in ctas)
+    per_cta = [{e: (c["global_entry"] - t0 + (c[e] - c["entry"]) / ghz) / 1e3 for e in EVENTS} | {"sm": c["sm"]}
+               for c in ctas]
+    entries = sorted({c["global_entry"] for c in ctas})
     tick = min((b - a for a, b in zip(entries, entries[1:], strict=False)), default=0)
     return {"ctas": len(ctas), "sm_ghz": ghz, "global_timer_tick_ns": tick, "per_cta": per_cta}
 
 
 def summary(tl: dict) -> dict:
-    cols = {e: sorted(c[e] for c in tl["per_cta"]) for e in EVENTS}
-    out = {e: (v[0], statistics.median(v), v[-1]) for e, v in cols.items()}
-    lat = sorted(c["first_load"] - c["entry"] for c in tl["per_cta"])
-    epi = sorted(c["exit"] - c["mma_done"] for c in tl["per_cta"])
-    out["entry_to_first_load"] = (lat[0], statistics.median(lat), lat[-1])
-    out["mma_done_to_exit"] = (epi[0], statistics.median(epi), epi[-1])
+    out = {}
+    for e in EVENTS:
+        v = sorted(c[e] for c in tl["per_cta"])
+        out[e] = (v[0], statistics.median(v), v[-1])
+    for name, start, end in SPANS:
+        v = sorted(c[end] - c[start] for c in tl["per_cta"])
+        out[name] = (v[0], statistics.median(v), v[-1])
     return out
 
 
@@ -148,6 +157,9 @@ def main() -> None:
         contenders = {"stamped": stamped.launcher(variant), "plain": plain.launcher(variant), "cuBLAS": cublas}
         times: dict[str, list[float]] = {k: [] for k in contenders}
         runs = []
+        fields = stamped.lib.hgemm_timeline(None, 0, 0)
+        if fields != len(FIELDS):
+            raise SystemExit(f"the template stamps {fields} fields per CTA, this script reads {len(FIELDS)}")
         host = (ctypes.c_ulonglong * (4096 * len(FIELDS)))()
         with stream:
             for launch in contenders.values():  # warm-up: module load, first-call set-up
@@ -177,9 +189,9 @@ def main() -> None:
                         for k, v in times.items()))
         print(f"  median stamped run: {best['ctas']} CTAs, SM clock {best['sm_ghz']:.3f} GHz, global timer tick "
               f"{best['global_timer_tick_ns']} ns, event {best['event_us']:.2f} us")
-        print("  from the first CTA's entry (us)     min   median      max")
+        print(f"  {'us since the first CTA entered, or span':<48}  min   median      max")
         for key, (lo, med, hi) in s.items():
-            print(f"    {key:<30} {lo:8.2f} {med:8.2f} {hi:8.2f}")
+            print(f"    {key:<46} {lo:8.2f} {med:8.2f} {hi:8.2f}")
         outside = best["event_us"] - s["exit"][2]
         print(f"  event time not inside any CTA (launch, teardown): {outside:.2f} us")
         report.append({"shape": str(shape), "config": full, "times_us": times, "runs": runs})

@@ -549,21 +549,25 @@ def test_bench_families_variant_overrides_parse_and_refuse_garbage():
 def test_timeline_probe_puts_every_ctas_clock_stamps_on_one_time_axis():
     """timeline_probe.py: each CTA's SM-clock stamps become us since the first CTA's entry, at
     the clock rate measured over that CTA's own life (clock ticks / global-timer ns); unused
-    rows (no global entry stamp) are not CTAs."""
+    rows (no global entry stamp) are not CTAs; the spans are per-CTA differences."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     try:
-        from timeline_probe import summary, timeline_of
+        from timeline_probe import FIELDS, summary, timeline_of
     finally:
         sys.path.pop(0)
-    # Two CTAs at 2 GHz entering 500 ns apart: first load +1 us, last load +30, mma +35, exit +36.
-    rows = [[c, c + 2_000, c + 60_000, c + 70_000, c + 72_000, g, g + 36_000, sm]
-            for c, g, sm in ((10_000, 1_000_000, 3), (99_000, 1_000_500, 7))] + [[0] * 8] * 3
+    # Two CTAs at 2 GHz entering 500 ns apart. After entry (us): producer in load() 1.0, first
+    # load 1.25, consumers in the mainloop 1.1, first stage full 2.25, last load 30, mma 35, exit 36.
+    us = [0, 1.0, 1.25, 1.1, 2.25, 30, 35, 36]
+    rows = [[c + int(t * 2000) for t in us] + [g, g + 36_000, sm]
+            for c, g, sm in ((10_000, 1_000_000, 3), (99_000, 1_000_500, 7))] + [[0] * len(FIELDS)] * 3
     tl = timeline_of(rows)
     assert (tl["ctas"], tl["sm_ghz"], tl["global_timer_tick_ns"]) == (2, 2.0, 500)
     s = summary(tl)
     assert s["entry"] == (0.0, 0.25, 0.5) and s["last_load"] == (30.0, 30.25, 30.5)
     assert s["exit"] == (36.0, 36.25, 36.5)
-    assert s["entry_to_first_load"] == (1.0, 1.0, 1.0) and s["mma_done_to_exit"] == (1.0, 1.0, 1.0)
+    assert s["CUTLASS prologue (entry -> producer in load)"] == (1.0, 1.0, 1.0)
+    assert s["first load's latency (issued -> stage full)"] == (1.0, 1.0, 1.0)
+    assert s["epilogue (last wgmmas issued -> exit)"] == (1.0, 1.0, 1.0)
     assert sorted(c["sm"] for c in tl["per_cta"]) == [3, 7]
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tuner.compile import compile_source
 from tuner.gpu_worker import Buffers, Cublas, _cp, load_candidate
-from tuner.render import make_env, template_vars
+from tuner.render import render
 from tuner.search import launch_spec
 from tuner.shapes import parse_shape
 from tuner.space import load_space
@@ -53,9 +53,7 @@ extern "C" __global__ void spin(long long ns) {
 
 
 def build(fam, full: dict, arch: str, timeline: bool):
-    source = make_env(fam.templates_dir).get_template(fam.template).render(
-        **template_vars(fam, full, arch, "fp32"), TIMELINE=timeline)
-    built = compile_source(source, arch, artifact=fam.artifact)
+    built = compile_source(render(fam, full, arch, probe={"TIMELINE": timeline}), arch, artifact=fam.artifact)
     if not built.ok:
         raise SystemExit(f"build failed ({'stamped' if timeline else 'plain'}): {built.error}")
     return built
@@ -72,6 +70,11 @@ def timeline_of(rows: list[list[int]]) -> dict:
     entries = sorted({c["global_entry"] for c in ctas})
     tick = min((b - a for a, b in zip(entries, entries[1:], strict=False)), default=0)
     return {"ctas": len(ctas), "sm_ghz": ghz, "global_timer_tick_ns": tick, "per_cta": per_cta}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median event time (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: r["event_us"])[len(runs) // 2]
 
 
 def summary(tl: dict) -> dict:
@@ -98,7 +101,7 @@ def plot(report: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(len(report), 1, figsize=(10, 3.2 * len(report)), squeeze=False)
     for ax, entry in zip(axes[:, 0], report, strict=True):
-        run = sorted(entry["runs"], key=lambda r: r["event_us"])[len(entry["runs"]) // 2]
+        run = median_run(entry["runs"])
         ctas = sorted(run["per_cta"], key=lambda c: c["exit"])
         for start, end, label, color in PHASES:
             ax.barh(range(len(ctas)), [c[end] - c[start] for c in ctas], left=[c[start] for c in ctas],
@@ -181,18 +184,18 @@ def main() -> None:
                             raise SystemExit("timeline read failed")
                         rows = [list(host[i * len(FIELDS):(i + 1) * len(FIELDS)]) for i in range(4096)]
                         runs.append(timeline_of(rows) | {"event_us": times[name][-1]})
-        best = sorted(runs, key=lambda r: r["event_us"])[len(runs) // 2]  # the median run
-        s = summary(best)
+        mid = median_run(runs)
+        s = summary(mid)
         print(f"\n{shape} {text}")
         print("  event-timed single launches, median of", args.runs, "(us):",
               ", ".join(f"{k} {statistics.median(v):.2f} ({flops / statistics.median(v) / 1e6:.0f} TFLOP/s)"
                         for k, v in times.items()))
-        print(f"  median stamped run: {best['ctas']} CTAs, SM clock {best['sm_ghz']:.3f} GHz, global timer tick "
-              f"{best['global_timer_tick_ns']} ns, event {best['event_us']:.2f} us")
+        print(f"  median stamped run: {mid['ctas']} CTAs, SM clock {mid['sm_ghz']:.3f} GHz, global timer tick "
+              f"{mid['global_timer_tick_ns']} ns, event {mid['event_us']:.2f} us")
         print(f"  {'us since the first CTA entered, or span':<48}  min   median      max")
         for key, (lo, med, hi) in s.items():
             print(f"    {key:<46} {lo:8.2f} {med:8.2f} {hi:8.2f}")
-        outside = best["event_us"] - s["exit"][2]
+        outside = mid["event_us"] - s["exit"][2]
         print(f"  event time not inside any CTA (launch, teardown): {outside:.2f} us")
         report.append({"shape": str(shape), "config": full, "times_us": times, "runs": runs})
     if args.out:

@@ -81,15 +81,12 @@ def test_cute_sm90_timeline_stamps_render_only_for_the_probe(space):
     """TIMELINE (benchmarks/timeline_probe.py only) wraps the kernel in per-CTA clock stamps and
     our producer loop; no tuned kernel ever carries them: the plain render launches CUTLASS's
     kernel as it is."""
-    from tuner.render import make_env, template_vars
-
     fam = space.family("cute_sm90")
     full = fam.complete({})
     plain = render(fam, full, "sm_90a")
     assert "using LaunchedKernel = GemmKernel;" in plain and "using CollectiveMainloop = BuiltMainloop;" in plain
     assert "timeline" not in plain and "globaltimer" not in plain
-    stamped = make_env(fam.templates_dir).get_template(fam.template).render(
-        **template_vars(fam, full, "sm_90a", "fp32"), TIMELINE=True)
+    stamped = render(fam, full, "sm_90a", probe={"TIMELINE": True})
     assert "using LaunchedKernel = TimedKernel;" in stamped
     assert "using CollectiveMainloop = TunedLoadMainloop<BuiltMainloop>;" in stamped  # stamps the loads
     assert 'extern "C" int hgemm_timeline(' in stamped and "%%globaltimer" in stamped

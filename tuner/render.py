@@ -44,13 +44,16 @@ def template_hash(family: Family) -> str:
 
 
 def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Path | None = None,
-           accumulate: str = "fp32") -> str:
+           accumulate: str = "fp32", probe: dict[str, Any] | None = None) -> str:
     """CUDA source for the compile-time knobs of `config` (run-time knobs are kernel args),
-    with `accumulate` (fp32 | fp16) rendered as ACCUM."""
+    with `accumulate` (fp32 | fp16) rendered as ACCUM. `probe`: extra variables for our own
+    diagnostic builds (cute_sm90's TIMELINE), never part of a tuned kernel."""
     if accumulate not in family.accumulate:
         raise UserError(f"family {family.name} builds {' and '.join(family.accumulate)} accumulation only, "
                         f"not {accumulate}")
     if family.untrusted:
+        if probe:
+            raise UserError(f"family {family.name}: probe variables are for our own templates only")
         return _render_isolated(family, config, templates_dir or family.templates_dir, arch, accumulate)
     try:
         template = make_env(templates_dir or family.templates_dir).get_template(family.template)
@@ -58,7 +61,7 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
         where = f"{family.template}:{getattr(exc, 'lineno', '?')}"
         raise UserError(f"template {where} does not render: {type(exc).__name__}: {exc}") from None
     try:
-        return template.render(**template_vars(family, config, arch, accumulate))
+        return template.render(**template_vars(family, config, arch, accumulate), **(probe or {}))
     except Exception as exc:  # noqa: BLE001 - Jinja errors, and Python ones raised inside it (`{{ 1 // X }}`, X=0)
         where = f"{family.template}:{getattr(exc, 'lineno', None) or '?'}"
         raise RenderError(f"template {where} does not render with {_knob_list(family, config)}: "

@@ -36,10 +36,16 @@ from tuner.space import load_space
 from tuner.target import target_for_arch
 
 # One row per CTA, in the template's order (timeline::k*): SM-clock stamps, then the global timer and SM id.
-EVENTS = ["entry", "load_entry", "first_load", "mma_entry", "first_full", "last_load", "mma_done", "exit"]
+# init_done (the producer done with the barrier init) and consumers_ready (the consumers past
+# their wait for it) are stamped by our kernel body only (PROLOGUE=early_load*): unset elsewhere.
+EVENTS = ["entry", "load_entry", "first_load", "mma_entry", "first_full", "last_load", "mma_done", "exit",
+          "init_done", "consumers_ready"]
 FIELDS = [*EVENTS, "global_entry", "global_exit", "sm"]
+UNSET = (0, 2**64 - 1)  # a max-stamp never written, a min-stamp never written
 # Derived spans (us) the summary prints: (name, from, to).
-SPANS = [("CUTLASS prologue (entry -> producer in load)", "entry", "load_entry"),
+SPANS = [("barrier init (entry -> producer done with it)", "entry", "init_done"),
+         ("consumers wait for the init (entry -> past it)", "entry", "consumers_ready"),
+         ("prologue (entry -> producer in load)", "entry", "load_entry"),
          ("producer set-up (load -> first load issued)", "load_entry", "first_load"),
          ("first load's latency (issued -> stage full)", "first_load", "first_full"),
          ("consumers ready (entry -> mainloop)", "entry", "mma_entry"),
@@ -65,8 +71,8 @@ def timeline_of(rows: list[list[int]]) -> dict:
     ctas = [dict(zip(FIELDS, r, strict=True)) for r in rows if r[FIELDS.index("global_entry")]]
     ghz = statistics.median((c["exit"] - c["entry"]) / max(1, c["global_exit"] - c["global_entry"]) for c in ctas)
     t0 = min(c["global_entry"] for c in ctas)
-    per_cta = [{e: (c["global_entry"] - t0 + (c[e] - c["entry"]) / ghz) / 1e3 for e in EVENTS} | {"sm": c["sm"]}
-               for c in ctas]
+    per_cta = [{e: None if c[e] in UNSET else (c["global_entry"] - t0 + (c[e] - c["entry"]) / ghz) / 1e3
+                for e in EVENTS} | {"sm": c["sm"]} for c in ctas]
     entries = sorted({c["global_entry"] for c in ctas})
     tick = min((b - a for a, b in zip(entries, entries[1:], strict=False)), default=0)
     return {"ctas": len(ctas), "sm_ghz": ghz, "global_timer_tick_ns": tick, "per_cta": per_cta}
@@ -80,11 +86,13 @@ def median_run(runs: list[dict]) -> dict:
 def summary(tl: dict) -> dict:
     out = {}
     for e in EVENTS:
-        v = sorted(c[e] for c in tl["per_cta"])
-        out[e] = (v[0], statistics.median(v), v[-1])
+        v = sorted(c[e] for c in tl["per_cta"] if c[e] is not None)
+        if v:
+            out[e] = (v[0], statistics.median(v), v[-1])
     for name, start, end in SPANS:
-        v = sorted(c[end] - c[start] for c in tl["per_cta"])
-        out[name] = (v[0], statistics.median(v), v[-1])
+        v = sorted(c[end] - c[start] for c in tl["per_cta"] if c[start] is not None and c[end] is not None)
+        if v:
+            out[name] = (v[0], statistics.median(v), v[-1])
     return out
 
 
@@ -109,8 +117,9 @@ def plot(report: list[dict], path: Path) -> None:
         ax.axvline(run["event_us"], color="black", linestyle="--",
                    label="event time (launch to end, drawn from the first entry)")
         cfg = entry["config"]
+        body = "" if cfg.get("PROLOGUE", "cutlass") == "cutlass" else f", {cfg['PROLOGUE']}"
         ax.set_title(f"{entry['shape']}: {cfg['TILE_M']}x{cfg['TILE_N']} {cfg['CLUSTER_M']}x{cfg['CLUSTER_N']} "
-                     f"{cfg['STAGES']} st. {cfg['SCHEDULER']}, median of {len(entry['runs'])} runs", fontsize=10)
+                     f"{cfg['STAGES']} st. {cfg['SCHEDULER']}{body}, median of {len(entry['runs'])} runs", fontsize=10)
         ax.set_ylabel("CTA (by exit time)")
         ax.set_xlim(0, run["event_us"] * 1.02)
     axes[-1, 0].set_xlabel("us since the first CTA's entry")

@@ -556,16 +556,22 @@ def test_timeline_probe_puts_every_ctas_clock_stamps_on_one_time_axis():
     finally:
         sys.path.pop(0)
     # Two CTAs at 2 GHz entering 500 ns apart. After entry (us): producer in load() 1.0, first
-    # load 1.25, consumers in the mainloop 1.1, first stage full 2.25, last load 30, mma 35, exit 36.
+    # load 1.25, consumers in the mainloop 1.1, first stage full 2.25, last load 30, mma 35, exit 36;
+    # barrier init done 0.5 in the first CTA (our kernel body's stamp) and never in the second
+    # (never written: a min-stamp stays at its reset value ~0); consumers past the wait: never.
     us = [0, 1.0, 1.25, 1.1, 2.25, 30, 35, 36]
-    rows = [[c + int(t * 2000) for t in us] + [g, g + 36_000, sm]
-            for c, g, sm in ((10_000, 1_000_000, 3), (99_000, 1_000_500, 7))] + [[0] * len(FIELDS)] * 3
+    unset = 2**64 - 1
+    rows = [[c + int(t * 2000) for t in us] + [init, unset, g, g + 36_000, sm]
+            for c, g, sm, init in ((10_000, 1_000_000, 3, 11_000), (99_000, 1_000_500, 7, unset))]
+    rows += [[0] * len(FIELDS)] * 3
     tl = timeline_of(rows)
     assert (tl["ctas"], tl["sm_ghz"], tl["global_timer_tick_ns"]) == (2, 2.0, 500)
     s = summary(tl)
     assert s["entry"] == (0.0, 0.25, 0.5) and s["last_load"] == (30.0, 30.25, 30.5)
     assert s["exit"] == (36.0, 36.25, 36.5)
-    assert s["CUTLASS prologue (entry -> producer in load)"] == (1.0, 1.0, 1.0)
+    assert s["prologue (entry -> producer in load)"] == (1.0, 1.0, 1.0)
+    assert s["barrier init (entry -> producer done with it)"] == (0.5, 0.5, 0.5)  # the one CTA that stamped it
+    assert "consumers_ready" not in s and "consumers wait for the init (entry -> past it)" not in s
     assert s["first load's latency (issued -> stage full)"] == (1.0, 1.0, 1.0)
     assert s["epilogue (last wgmmas issued -> exit)"] == (1.0, 1.0, 1.0)
     assert sorted(c["sm"] for c in tl["per_cta"]) == [3, 7]

@@ -164,6 +164,39 @@ def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(spa
         assert reply["times"][name] > 0
 
 
+def test_cute_sm90_our_kernel_body_verifies_in_clusters_with_pdl_on_a_tail(space, backend):
+    """PROLOGUE=early_load*: our kernel body (producer loads before the consumers' set-up, idle
+    producer warps leave early) must pass the full check on a tail shape where some CTAs take
+    two tiles (144 tiles on 132 SMs), alone and in 2x1 / 1x2 clusters (multicast into peers
+    whose barriers only the cluster barrier orders), launched plainly and with PDL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tuner.search import launch_spec
+
+    fam = space.family("cute_sm90")
+    shape = parse_shape("1111x1000x1000")  # 9 x 16 tiles of 128x64, M tail
+    configs = {f"{prologue}_{cm}x{cn}": fam.complete({"TILE_N": 64, "STAGES": 6, "CLUSTER_M": cm, "CLUSTER_N": cn,
+                                                       "SCHEDULER": "persistent", "PROLOGUE": prologue})
+               for prologue, cm, cn in [("early_load", 1, 1), ("early_load_warm", 2, 1), ("early_load_warm", 1, 2)]}
+    for full in configs.values():
+        assert not fam.violations(full, shape, backend.target)
+    with ThreadPoolExecutor() as pool:
+        built = dict(zip(configs, pool.map(lambda c: compile_source(render(fam, c, "sm_90a"), "sm_90a",
+                                                                     artifact=fam.artifact), configs.values()),
+                         strict=True))
+    contenders = {}
+    for name, full in configs.items():
+        assert built[name].ok, built[name].error
+        launch = launch_spec(fam, full, shape, backend.target)
+        contenders[name] = {"cubin": built[name].cubin, "variant": fam.runtime_config(full), "launch": launch}
+        contenders[f"{name}_pdl"] = contenders[name] | {"launch": launch | {"pdl": True}}
+    reply = backend.compare(shape, contenders, torch=False)
+    assert reply["status"] == "ok", reply
+    for name in contenders:
+        assert reply["verify"][name]["ok"], (name, reply["verify"][name])
+        assert reply["times"][name] > 0
+
+
 @pytest.mark.parametrize("shape_s", ["333x200x1000", "512x384x4096"])
 def test_cute_sm90_fp16_accumulate_verifies_against_cublas_fp16(space, backend, shape_s):
     """--accumulate fp16: the kernel passes exact and random checks against cuBLAS's fp16

@@ -77,6 +77,23 @@ def test_cute_sm90_tma_l2_promotion_reroutes_cutes_descriptor_call_only_when_ask
         assert redirect < src.index("#include <cute/tensor.hpp>")
 
 
+def test_cute_sm90_our_kernel_body_renders_only_when_asked_and_where_it_applies(space, h200):
+    """PROLOGUE=cutlass launches CUTLASS's GemmUniversal as it is; early_load* launch our body,
+    and only early_load_warm reads the parameter block from the idle warps. Our body is the
+    cooperative persistent kernel with the TMA epilogue: space.yaml refuses it elsewhere."""
+    fam = space.family("cute_sm90")
+    plain = render(fam, fam.complete({}), "sm_90a")
+    assert "EarlyLoadKernel" not in plain and "using LaunchedKernel = GemmKernel;" in plain
+    for prologue in ("early_load", "early_load_warm"):
+        src = render(fam, fam.complete({"PROLOGUE": prologue}), "sm_90a")
+        assert "using LaunchedKernel = EarlyLoadKernel<GemmKernel>;" in src
+        assert ("st.volatile.shared.u32" in src) == (prologue == "early_load_warm")
+    shape = parse_shape("4096x4096x8192")
+    for other in ({"SCHEDULE": "pingpong"}, {"SCHEDULER": "streamk"}, {"EPILOGUE": "nosmem"}):
+        violations = fam.violations(fam.complete({"PROLOGUE": "early_load"} | other), shape, h200)
+        assert any("our kernel body" in v for v in violations), (other, violations)
+
+
 def test_cute_sm90_timeline_stamps_render_only_for_the_probe(space):
     """TIMELINE (benchmarks/timeline_probe.py only) wraps the kernel in per-CTA clock stamps and
     our producer loop; no tuned kernel ever carries them: the plain render launches CUTLASS's

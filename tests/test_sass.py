@@ -41,8 +41,11 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
                                | {"L2_HINT": "stream_a", "TMA_L2_PROMOTION": 256})
         if not fam.violations(sampled, BIG, h200) and sampled not in (default, pingpong):
             break
-    results = _compile_all(fam, [default, pingpong, sampled], tmp_path)
-    for cfg, res in zip([default, pingpong, sampled], results, strict=True):
+    # our kernel body (PROLOGUE), on the default tile and cluster
+    own_body = default | {"PROLOGUE": "early_load_warm"}
+    assert not fam.violations(own_body, BIG, h200)
+    results = _compile_all(fam, [default, pingpong, sampled, own_body], tmp_path)
+    for cfg, res in zip([default, pingpong, sampled, own_body], results, strict=True):
         assert res.ok, f"{fam.compile_config(cfg)}: {res.error}"
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["HGMMA"] > 0, f"no wgmma in {fam.compile_config(cfg)}: {dict(ops)}"
@@ -54,7 +57,7 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     # its symbol is in the library that asked for 256, and absent from CuTe's own 128.
     assert b"hgemm_tma_promotion" in Path(results[2].cubin).read_bytes()
     assert b"hgemm_tma_promotion" not in Path(results[0].cubin).read_bytes()
-    for cfg, res in zip([default, pingpong], results[:2], strict=True):
+    for cfg, res in zip([default, pingpong, own_body], [results[0], results[1], results[3]], strict=True):
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["LDL"] == 0 and ops["STL"] == 0, f"local-memory spills in {fam.compile_config(cfg)}: {dict(ops)}"
         assert res.spill_bytes == 0

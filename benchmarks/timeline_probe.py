@@ -36,15 +36,23 @@ from tuner.space import load_space
 from tuner.target import target_for_arch
 
 # One row per CTA, in the template's order (timeline::k*): SM-clock stamps, then the global timer and SM id.
-# init_done (the producer done with the barrier init) and consumers_ready (the consumers past
-# their wait for it) are stamped by our kernel body only (PROLOGUE=early_load*): unset elsewhere.
+# init_done .. consumer_regs are stamped by our kernel body only (PROLOGUE=early_load), unset
+# elsewhere: the producer done with the barrier init, the consumers past their wait for it, the
+# producer done with load_init and the scheduler, past its register release (setmaxnreg.dec, and
+# the cluster wait), past griddepcontrol.wait; the consumers past their register allocation.
 EVENTS = ["entry", "load_entry", "first_load", "mma_entry", "first_full", "last_load", "mma_done", "exit",
-          "init_done", "consumers_ready"]
+          "init_done", "consumers_ready", "setup_done", "producer_regs", "deps_done", "consumer_regs"]
 FIELDS = [*EVENTS, "global_entry", "global_exit", "sm"]
 UNSET = (0, 2**64 - 1)  # a max-stamp never written, a min-stamp never written
 # Derived spans (us) the summary prints: (name, from, to).
 SPANS = [("barrier init (entry -> producer done with it)", "entry", "init_done"),
+         ("  then load_init + scheduler", "init_done", "setup_done"),
+         ("  then register release (+ cluster wait)", "setup_done", "producer_regs"),
+         ("  then work tile + griddepcontrol.wait", "producer_regs", "deps_done"),
+         ("  then to load()", "deps_done", "load_entry"),
          ("consumers wait for the init (entry -> past it)", "entry", "consumers_ready"),
+         ("  then work tile + register allocation", "consumers_ready", "consumer_regs"),
+         ("  then to the mainloop", "consumer_regs", "mma_entry"),
          ("prologue (entry -> producer in load)", "entry", "load_entry"),
          ("producer set-up (load -> first load issued)", "load_entry", "first_load"),
          ("first load's latency (issued -> stage full)", "first_load", "first_full"),

@@ -561,8 +561,11 @@ def test_timeline_probe_puts_every_ctas_clock_stamps_on_one_time_axis():
     # (never written: a min-stamp stays at its reset value ~0); consumers past the wait: never.
     us = [0, 1.0, 1.25, 1.1, 2.25, 30, 35, 36]
     unset = 2**64 - 1
-    rows = [[c + int(t * 2000) for t in us] + [init, unset, g, g + 36_000, sm]
-            for c, g, sm, init in ((10_000, 1_000_000, 3, 11_000), (99_000, 1_000_500, 7, unset))]
+    # the producer done with load_init + scheduler at 0.6 us, past its register release at 0.9,
+    # past griddepcontrol.wait at 0.95 (first CTA only); the consumers' register stamps: never
+    rows = [[c + int(t * 2000) for t in us] + [init, unset, setup, regs, deps, unset, g, g + 36_000, sm]
+            for c, g, sm, init, setup, regs, deps in ((10_000, 1_000_000, 3, 11_000, 11_200, 11_800, 11_900),
+                                                      (99_000, 1_000_500, 7, unset, unset, unset, unset))]
     rows += [[0] * len(FIELDS)] * 3
     tl = timeline_of(rows)
     assert (tl["ctas"], tl["sm_ghz"], tl["global_timer_tick_ns"]) == (2, 2.0, 500)
@@ -571,6 +574,11 @@ def test_timeline_probe_puts_every_ctas_clock_stamps_on_one_time_axis():
     assert s["exit"] == (36.0, 36.25, 36.5)
     assert s["prologue (entry -> producer in load)"] == (1.0, 1.0, 1.0)
     assert s["barrier init (entry -> producer done with it)"] == (0.5, 0.5, 0.5)  # the one CTA that stamped it
+    assert s["  then load_init + scheduler"] == pytest.approx((0.1, 0.1, 0.1))
+    assert s["  then register release (+ cluster wait)"] == pytest.approx((0.3, 0.3, 0.3))
+    assert s["  then work tile + griddepcontrol.wait"] == pytest.approx((0.05, 0.05, 0.05))
+    assert s["  then to load()"] == pytest.approx((0.05, 0.05, 0.05))
+    assert "  then work tile + register allocation" not in s
     assert "consumers_ready" not in s and "consumers wait for the init (entry -> past it)" not in s
     assert s["first load's latency (issued -> stage full)"] == (1.0, 1.0, 1.0)
     assert s["epilogue (last wgmmas issued -> exit)"] == (1.0, 1.0, 1.0)

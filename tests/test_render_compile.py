@@ -78,16 +78,16 @@ def test_cute_sm90_tma_l2_promotion_reroutes_cutes_descriptor_call_only_when_ask
 
 
 def test_cute_sm90_our_kernel_body_renders_only_when_asked_and_where_it_applies(space, h200):
-    """PROLOGUE=cutlass launches CUTLASS's GemmUniversal as it is; early_load* launch our body,
-    and only early_load_warm reads the parameter block from the idle warps. Our body is the
-    cooperative persistent kernel with the TMA epilogue: space.yaml refuses it elsewhere."""
+    """PROLOGUE=cutlass launches CUTLASS's GemmUniversal as it is; early_load launches our body,
+    which reallocates registers (setmaxnreg) as CUTLASS's does. Our body is the cooperative
+    persistent kernel with the TMA epilogue: space.yaml refuses it elsewhere."""
     fam = space.family("cute_sm90")
     plain = render(fam, fam.complete({}), "sm_90a")
     assert "EarlyLoadKernel" not in plain and "using LaunchedKernel = GemmKernel;" in plain
-    for prologue in ("early_load", "early_load_warm"):
-        src = render(fam, fam.complete({"PROLOGUE": prologue}), "sm_90a")
-        assert "using LaunchedKernel = EarlyLoadKernel<GemmKernel>;" in src
-        assert ("st.volatile.shared.u32" in src) == (prologue == "early_load_warm")
+    own = fam.complete({"PROLOGUE": "early_load"})
+    src = render(fam, own, "sm_90a")
+    assert "using LaunchedKernel = EarlyLoadKernel<GemmKernel>;" in src
+    assert "warpgroup_reg_dealloc" in src and "warpgroup_reg_alloc" in src
     shape = parse_shape("4096x4096x8192")
     for other in ({"SCHEDULE": "pingpong"}, {"SCHEDULER": "streamk"}, {"EPILOGUE": "nosmem"}):
         violations = fam.violations(fam.complete({"PROLOGUE": "early_load"} | other), shape, h200)

@@ -49,6 +49,19 @@ def dump_sass(binary: str | Path) -> str:
     return proc.stdout
 
 
+def static_shared_bytes(binary: str | Path) -> dict[str, int]:
+    """Each kernel's static shared memory (cuobjdump -res-usage SHARED, which on sm_90 includes the
+    1 KB the system reserves). Dynamic shared memory starts after it, so a kernel that declares any
+    of its own moves the dynamic buffer off the alignment TMA and wgmma need."""
+    tool = cuobjdump_path()
+    proc = subprocess.run([tool, "-res-usage", str(binary)], capture_output=True, text=True, check=False)
+    found = dict(re.findall(r"Function ([^\s:]+):\s*\n\s*REG:\d+ STACK:\d+ SHARED:(\d+)", proc.stdout))
+    if proc.returncode != 0 or not found:
+        raise UserError(f"cuobjdump could not read the resource usage of {binary}: "
+                        f"{(proc.stderr or proc.stdout).strip()[:300]}")
+    return {name: int(size) for name, size in found.items()}
+
+
 def opcode_counts(sass: str) -> Counter:
     """How many instructions of each WATCH opcode the SASS holds (HGMMA.64x256x16.F32 counts as HGMMA)."""
     counts: Counter = Counter()

@@ -42,7 +42,7 @@ for step in "$@"; do
              timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT/bench10_$n" --families cute_sm90 \
                --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} \
                ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_SEED:+--seed $BENCH_SEED} ${BENCH_TAG:+--study-tag $BENCH_TAG} \
-               ${BENCH_TOP:+--top $BENCH_TOP} ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_PDL:+--pdl} \
+               ${BENCH_TOP:+--top $BENCH_TOP} ${BENCH_SELECT_RUNS:+--select-runs $BENCH_SELECT_RUNS} ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_PDL:+--pdl} \
                "${VARIANT_ARGS[@]}" 2>&1 | tee "$OUT/bench10_$n.log" | tail -40 ;;
     pdlprobe) # do cuBLAS / cuBLASLt / torch launch back-to-back GEMMs with PDL? (benchmarks/pdl_probe.py)
               timeout "$(cap 200)" python3 benchmarks/pdl_probe.py --shape 16384x128x4096 --config "$BEST_16384x128x4096" \
@@ -115,6 +115,8 @@ for step in "$@"; do
   esac
 done
 cp runs/hgemm.db runs/tune200.db runs/sweep27.db "$OUT/" 2>/dev/null
+# a bench step's own study database (BENCH_STORAGE=sqlite:///PATH) comes back too: trials tuned here
+[[ ${BENCH_STORAGE:-} == sqlite:///* ]] && cp "${BENCH_STORAGE#sqlite:///}" "$OUT/" 2>/dev/null
 # The device tool brings back at most 8 files: pack everything into one archive.
 tar czf /tmp/device_results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/device_results.tgz "$OUT/"
 echo "=== done $(date +%T)"

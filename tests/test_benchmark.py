@@ -619,23 +619,39 @@ def test_bench_families_repeats_report_medians_and_the_ratio_range():
     assert "cuBLAS range" not in bf.table([row], target_for_arch("sm_90a"), runs=1)
 
 
-def test_bench_families_top_k_selection_keeps_the_fastest_verified_config():
-    """--top: the selection run keeps, per family, the fastest config that verified; a faster
-    one that failed verification is dropped, and variants ('+') are left alone."""
+def test_bench_families_top_k_selection_keeps_the_lowest_median_verified_config():
+    """--top: over the selection runs (a fresh worker after the first), each family keeps the
+    config with the lowest median time among those that verified in every run: not the one that
+    was fastest once (#0), nor a faster one that failed verification in one run (#2); variants
+    ('+') are left alone."""
     bf = _bench_families()
     from tuner.shapes import parse_shape
 
-    reply = {"status": "ok",
-             "times": {"cute_sm90#0": 41.0, "cute_sm90#1": 39.5, "cute_sm90#2": 30.0, "cute_sm90+X=1": 45.0},
-             "verify": {"cute_sm90#0": {"ok": True}, "cute_sm90#1": {"ok": True},
-                        "cute_sm90#2": {"ok": False, "reason": "wrong"}, "cute_sm90+X=1": {"ok": True}}}
-    backend = SimpleNamespace(compare=lambda shape, cands, torch=True: reply)
-    candidates = {n: {"cubin": n} for n in reply["times"]}
-    configs = {n: {"name": n} for n in reply["times"]}
+    names = ["cute_sm90#0", "cute_sm90#1", "cute_sm90#2", "cute_sm90+X=1"]
+
+    def reply(times, verified):
+        return {"status": "ok", "times": dict(zip(names, times, strict=True)),
+                "verify": {n: {"ok": v, "reason": "" if v else "wrong"} for n, v in zip(names, verified, strict=True)}}
+
+    replies = [reply([38.0, 39.5, 30.0, 45.0], [True] * 4),
+               reply([41.0, 39.6, 30.0, 45.0], [True, True, False, True]),
+               reply([40.5, 39.4, 30.0, 45.0], [True] * 4)]
+    served, restarts = iter(replies), []
+    backend = SimpleNamespace(compare=lambda shape, cands, torch=True: next(served),
+                              restart=lambda: restarts.append(1))
+    candidates = {n: {"cubin": n} for n in replies[0]["times"]}
+    configs = {n: {"name": n} for n in replies[0]["times"]}
     rows = []
-    bf.select(backend, parse_shape("16384x128x4096"), candidates, configs, rows)
+    bf.select(backend, parse_shape("16384x128x4096"), candidates, configs, rows, runs=3)
+    assert len(restarts) == 2
     assert candidates == {"cute_sm90": {"cubin": "cute_sm90#1"}, "cute_sm90+X=1": {"cubin": "cute_sm90+X=1"}}
     assert configs["cute_sm90"] == {"name": "cute_sm90#1"} and rows == []
+    # one run: the fastest that verified in it (#2 passed run 1), as before
+    served = iter(replies)
+    candidates = {n: {"cubin": n} for n in replies[0]["times"]}
+    configs = {n: {"name": n} for n in replies[0]["times"]}
+    bf.select(backend, parse_shape("16384x128x4096"), candidates, configs, rows, runs=1)
+    assert candidates["cute_sm90"] == {"cubin": "cute_sm90#2"}
 
 
 def test_bench_families_top_k_counts_one_kernel_once(tmp_path):

@@ -119,8 +119,8 @@ def table(rows: list[Row], target, runs: int = 1) -> str:
 
 
 def select(backend, shape, candidates: dict, configs: dict, rows: list, runs: int = 1) -> None:
-    """--top: each family's K best ('FAMILY#i' names) timed in `runs` selection runs, each in a fresh
-    worker; the one with the lowest median that verified in every run takes the family's name, the
+    """--top: each family's K best ('FAMILY#i' names) timed in `runs` selection runs, a fresh worker
+    for each after the first; the one with the lowest median that verified in every run takes the family's name, the
     others leave `candidates`. One run is a coin flip when the K are within 1-2% of each other (session
     11: 42.28 against 42.30 us picked a kernel 3% slower over the next five runs)."""
     timed: dict[str, list[float] | None] = {name: [] for name in candidates}  # None: failed a run
@@ -168,7 +168,7 @@ def main() -> None:
                     help="also time each family's best (for SHAPE only, if given) with these knobs changed "
                          "(repeatable)")
     ap.add_argument("--top", type=int, default=1,
-                    help="re-measure each family's K best stored configs in a selection run, keep the fastest")
+                    help="re-measure each family's K best stored configs in --select-runs runs, keep the lowest median")
     ap.add_argument("--select-runs", type=int, default=3,
                     help="with --top: selection runs (each in a fresh worker); the lowest median is kept")
     ap.add_argument("--repeats", type=int, default=1,

@@ -38,28 +38,31 @@ def cuobjdump_path() -> str:
                     "nvidia-cuda-nvdisasm`")
 
 
-def dump_sass(binary: str | Path) -> str:
-    """The SASS of every kernel in a cubin or a shared library."""
+def _cuobjdump(option: str, binary: str | Path, what: str) -> str:
+    """cuobjdump's report on every kernel of a cubin or a shared library ('Function' per kernel)."""
     tool = cuobjdump_path()
     env = dict(os.environ)
     env["PATH"] = f"{Path(tool).parent}{os.pathsep}{env.get('PATH', '')}"  # cuobjdump runs nvdisasm
-    proc = subprocess.run([tool, "--dump-sass", str(binary)], capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run([tool, option, str(binary)], capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0 or "Function" not in proc.stdout:
-        raise UserError(f"cuobjdump could not disassemble {binary}: {(proc.stderr or proc.stdout).strip()[:300]}")
+        raise UserError(f"cuobjdump could not {what} {binary}: {(proc.stderr or proc.stdout).strip()[:300]}")
     return proc.stdout
+
+
+def dump_sass(binary: str | Path) -> str:
+    """The SASS of every kernel in a cubin or a shared library."""
+    return _cuobjdump("--dump-sass", binary, "disassemble")
 
 
 def static_shared_bytes(binary: str | Path) -> dict[str, int]:
     """Each kernel's static shared memory (cuobjdump -res-usage SHARED, which on sm_90 includes the
     1 KB the system reserves). Dynamic shared memory starts after it, so a kernel that declares any
     of its own moves the dynamic buffer off the alignment TMA and wgmma need."""
-    tool = cuobjdump_path()
-    proc = subprocess.run([tool, "-res-usage", str(binary)], capture_output=True, text=True, check=False)
-    found = dict(re.findall(r"Function ([^\s:]+):\s*\n\s*REG:\d+ STACK:\d+ SHARED:(\d+)", proc.stdout))
-    if proc.returncode != 0 or not found:
-        raise UserError(f"cuobjdump could not read the resource usage of {binary}: "
-                        f"{(proc.stderr or proc.stdout).strip()[:300]}")
-    return {name: int(size) for name, size in found.items()}
+    report = _cuobjdump("-res-usage", binary, "read the resource usage of")
+    found = re.findall(r"Function ([^\s:]+):\s*\n\s*REG:\d+ STACK:\d+ SHARED:(\d+)", report)
+    if not found:
+        raise UserError(f"cuobjdump -res-usage of {binary}: no SHARED size in {report.strip()[:300]}")
+    return {name: int(size) for name, size in found}
 
 
 def opcode_counts(sass: str) -> Counter:

@@ -87,6 +87,9 @@ for step in "$@"; do
     readbw) # the read-bandwidth ceiling of the skinny shapes' big operands (benchmarks/read_bandwidth.cu)
             nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/read_bw benchmarks/read_bandwidth.cu \
               && timeout "$(cap 120)" /tmp/read_bw 2>&1 | tee "$OUT/read_bandwidth.log" ;;
+    tmastream) # a TMA pipeline streaming 16384xK fp16 with no GEMM around it (benchmarks/tma_stream.cu), per TMASTREAM_KS, TMASTREAM_SET
+               nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/tma_stream benchmarks/tma_stream.cu \
+                 && for k in ${TMASTREAM_KS:-4096 16384}; do timeout "$(cap 120)" /tmp/tma_stream "$k" ${TMASTREAM_SET:-base} 2>&1 | tee -a "$OUT/tma_stream.log"; done ;;
     ncu) # DRAM and L2 bytes and throughput of session 5's best skinny kernels and of cuBLAS's
          NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
          METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum

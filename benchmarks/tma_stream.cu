@@ -239,6 +239,18 @@ struct Case {
 
 int main(int argc, char** argv) {
   const int rows = 16384, K = argc > 1 ? std::atoi(argv[1]) : 4096;
+  // Every case walks K in whole 128-half k-blocks (TILE_K 128 and split-K 2 included), and TB/s
+  // counts all of A: a K that leaves a remainder would time fewer bytes than it reports. The
+  // dynamic tail hands out up to 16 k-blocks of 64 per tile: K >= 1024.
+  if (K < 1024 || K % 256 != 0) {
+    std::printf("K must be a multiple of 256, at least 1024; got %s\n", argc > 1 ? argv[1] : "?");
+    return 2;
+  }
+  const std::string set = argc > 2 ? argv[2] : "base";
+  if (set != "base" && set != "consumer" && set != "steal" && set != "desync") {
+    std::printf("unknown case set %s: base, consumer, steal or desync\n", set.c_str());
+    return 2;
+  }
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   EncodeFn encode;
@@ -323,9 +335,9 @@ int main(int argc, char** argv) {
       {"+B, +wgmma x0.75, 6 st", kGemm, 128, 1, 6, 1, 0, 1, W * 3 / 4, P128},
       {"+B, +wgmma, 6 st (again, last)", kGemm, 128, 1, 6, 1, 0, 1, W, P128},
   };
-  if (argc > 2 && std::string(argv[2]) == "desync") cases = desync;
-  if (argc > 2 && std::string(argv[2]) == "consumer") cases = consumer;
-  if (argc > 2 && std::string(argv[2]) == "steal") cases = steal;
+  if (set == "desync") cases = desync;
+  if (set == "consumer") cases = consumer;
+  if (set == "steal") cases = steal;
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));

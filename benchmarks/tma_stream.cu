@@ -49,6 +49,7 @@ struct Params {
   long long consume;   // consumer spin per stage, clocks
   int release;         // kAfter, kBefore or kLagged: when the consumer frees a stage
   int b_rows;          // rows of B per stage (the GEMM's TILE_N)
+  unsigned stage_bytes;  // A's and B's boxes of one stage, rounded up to the swizzle's 1 KB
   unsigned long long* stats;  // per CTA, kStats words, written by every launch (the last one is read)
   // Dynamic tail: the last steal_tail k-blocks of every M tile are not the owner's; any CTA that
   // has finished its own units (or has none: CTAs past m_tiles) claims them steal_chunk k-blocks
@@ -121,7 +122,6 @@ __global__ void __launch_bounds__(64, 1) stream(const __grid_constant__ CUtensor
     u1 = 1LL * m * p.k_blocks + 1LL * p.k_blocks * (s + 1) / p.splits;
   }
   const unsigned a_bytes = p.box_m * 128 * p.kb, b_bytes = p.with_b ? p.b_rows * 128 * p.kb : 0;
-  const unsigned stage_bytes = ((a_bytes + b_bytes + 1023) / 1024) * 1024;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(64, 1) stream(const __grid_constant__ CUtensor
       stop[s] = 0;
       mbar_expect_tx(&full[s], a_bytes + b_bytes);
       int m = int(u / p.k_blocks), kblk = int(u % p.k_blocks);
-      unsigned char* dst = smem + size_t(s) * stage_bytes;
+      unsigned char* dst = smem + size_t(s) * p.stage_bytes;
       for (int j = 0; j < p.kb; ++j) {
         if (p.order == kGemm)
           tma_load(dst + j * p.box_m * 128, &a_map, &full[s], (kblk * p.kb + j) * 64, m * p.box_m);
@@ -388,8 +388,8 @@ int main(int argc, char** argv) {
                                          : make_map(encode, a, 64, a_bytes / 128, c.box_m, c.promo);
     CUtensorMap b_map = make_map(encode, b, K, c.b_valid, c.b_rows, c.promo);
     int ctas = p.streamk ? c.streamk_ctas : c.steal_tail > 0 ? sms : p.m_tiles * c.splits;
-    size_t stage = ((size_t(c.box_m) * 128 * c.kb + (c.with_b ? size_t(c.b_rows) * 128 * c.kb : 0) + 1023) / 1024) * 1024;
-    size_t smem = stage * c.stages + 1024;
+    p.stage_bytes = ((c.box_m * 128 * c.kb + (c.with_b ? c.b_rows * 128 * c.kb : 0) + 1023) / 1024) * 1024;
+    size_t smem = size_t(p.stage_bytes) * c.stages + 1024;
     if (smem > 226 * 1024) { std::printf("%-46s does not fit (%zu B)\n", c.note, smem); continue; }
     auto launch = [&] {
       if (launches == kCounters) { std::printf("out of claim counters\n"); std::exit(1); }

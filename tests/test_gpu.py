@@ -197,45 +197,6 @@ def test_cute_sm90_our_kernel_body_verifies_in_clusters_with_pdl_on_a_tail(space
         assert reply["times"][name] > 0
 
 
-@pytest.mark.parametrize("shape_s", ["37x1000x1000", "1x264x72"])
-def test_cute_sm90_swap_ab_verifies_on_tails_in_every_decomposition(space, backend, shape_s):
-    """SWAP_AB=1 (C^T = B * A^T, written column-major) must pass the full check on tails in M,
-    N and K: the 128-row cooperative tile over N in every decomposition (data-parallel,
-    stream-K, split-K in 2 both ways of adding), and the 64-row pingpong tile."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tuner.search import launch_spec
-
-    fam = space.family("cute_sm90")
-    shape = parse_shape(shape_s)
-    base = {"SWAP_AB": 1, "TILE_N": 64, "STAGES": 6, "CLUSTER_M": 1, "CLUSTER_N": 1}
-    configs = {"coop": fam.complete(base | {"SCHEDULER": "streamk"}),
-               "pingpong": fam.complete(base | {"TILE_M": 64, "SCHEDULE": "pingpong"})}
-    with ThreadPoolExecutor() as pool:
-        built = dict(zip(configs, pool.map(lambda c: compile_source(render(fam, c, "sm_90a"), "sm_90a",
-                                                                     artifact=fam.artifact), configs.values()),
-                         strict=True))
-    decomps = [("data_parallel", "deterministic"), ("stream_k", "deterministic"), ("split_2", "deterministic"),
-               ("split_2", "nondeterministic")]
-    contenders = {}
-    for name, full in configs.items():
-        assert built[name].ok, built[name].error
-        runs = decomps if name == "coop" else [(full["DECOMP"], full["REDUCTION"])]
-        for decomp, reduction in runs:
-            cfg = full | {"DECOMP": decomp, "REDUCTION": reduction}
-            if decomp.startswith("split") and fam.violations(cfg, shape, backend.target):
-                continue  # too short a K for two splits of TILE_K
-            assert not fam.violations(cfg, shape, backend.target), (name, decomp)
-            contenders[f"{name}_{decomp}_{reduction}"] = {"cubin": built[name].cubin, "variant": fam.runtime_config(cfg),
-                                                          "launch": launch_spec(fam, cfg, shape, backend.target)}
-    assert len(contenders) >= 3
-    reply = backend.compare(shape, contenders, torch=False)
-    assert reply["status"] == "ok", reply
-    for name in contenders:
-        assert reply["verify"][name]["ok"], (name, reply["verify"][name])
-        assert reply["times"][name] > 0
-
-
 @pytest.mark.parametrize("shape_s", ["333x200x1000", "512x384x4096"])
 def test_cute_sm90_fp16_accumulate_verifies_against_cublas_fp16(space, backend, shape_s):
     """--accumulate fp16: the kernel passes exact and random checks against cuBLAS's fp16

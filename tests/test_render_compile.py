@@ -94,29 +94,6 @@ def test_cute_sm90_our_kernel_body_renders_only_when_asked_and_where_it_applies(
         assert any("our kernel body" in v for v in violations), (other, violations)
 
 
-def test_cute_sm90_swap_ab_renders_the_transposed_problem_only_when_asked(space, h200):
-    """SWAP_AB=1 builds C^T = B * A^T: the kernel's C is column-major and the host swaps the
-    operands and M, N before CUTLASS sees them. SWAP_AB=0 renders the row-major kernel; space.yaml
-    allows the swap only where N is the long side, and counts split-K's tiles over (N, M)."""
-    fam = space.family("cute_sm90")
-    plain = render(fam, fam.complete({}), "sm_90a")
-    assert "using LayoutC = cutlass::layout::RowMajor;" in plain and "std::swap" not in plain
-    swapped = render(fam, fam.complete({"SWAP_AB": 1}), "sm_90a")
-    assert "using LayoutC = cutlass::layout::ColumnMajor;" in swapped
-    assert "std::swap(A, B);" in swapped and "std::swap(M, N);" in swapped
-    assert "get<1>(stride_d) = M;" in swapped
-    coop = {"SWAP_AB": 1, "TILE_M": 128, "TILE_N": 64, "CLUSTER_M": 1, "SCHEDULER": "streamk", "DECOMP": "split_2"}
-    assert not fam.violations(fam.complete(coop), parse_shape("64x8192x4096"), h200)
-    # at 64x16384x4096 the swapped 128x64 tile makes 128 tiles (split-K allowed on 132 SMs);
-    # unswapped it makes 1 x 256 (split-K refused)
-    wide = parse_shape("64x16384x4096")
-    assert not fam.violations(fam.complete(coop), wide, h200)
-    unswapped = fam.violations(fam.complete(coop | {"SWAP_AB": 0}), wide, h200)
-    assert any("split-K" in v for v in unswapped), unswapped
-    tall = fam.violations(fam.complete(coop), parse_shape("8192x64x4096"), h200)
-    assert any("SWAP_AB" in v for v in tall), tall
-
-
 def test_cute_sm90_timeline_stamps_render_only_for_the_probe(space):
     """TIMELINE (benchmarks/timeline_probe.py only) wraps the kernel in per-CTA clock stamps and
     our producer loop; no tuned kernel ever carries them: the plain render launches CUTLASS's

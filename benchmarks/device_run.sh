@@ -13,7 +13,8 @@ cap() { local left=$((END - SECONDS)); (( left < $1 )) && echo $((left > 1 ? lef
 # Session 5's best stored config at 16384x128x4096 (the probes' subject).
 BEST_16384x128x4096='{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER_N":2,"SCHEDULER":"streamk","RASTER":"along_n"}'
 # which physical GPU this call got (the vendor-to-us ratio moves with it: NOTES.md, session 13)
-nvidia-smi --query-gpu=name,uuid,serial,pci.bus_id,clocks.sm,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu --format=csv,noheader
+nvidia-smi --query-gpu=name,uuid,serial,pci.bus_id,clocks.sm,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu --format=csv,noheader \
+  | tee "$OUT/gpu.txt"
 n=0
 for step in "$@"; do
   # NAME=VALUE between steps sets a variable for the steps after it:

@@ -50,14 +50,14 @@ def best_of_family(storage: str, shape: str, family: str):
     return top[0] if top else None
 
 
-def top_of_family(storage: str, shape: str, family: str, k: int, complete=None) -> list:
-    """The `k` best verified trials of `family` for `shape` over every study in the storage,
-    one per distinct config (compile and run-time knobs). `complete` (the family's
-    `complete_stored`) fills in knobs that older studies did not have, so that the same
-    kernel stored with and without a since-added default counts once."""
+def top_of_family(storage: str, shape: str, family: str, k: int, complete=None, study: str | None = None) -> list:
+    """The `k` best verified trials of `family` for `shape` over every study in the storage
+    (or only the study named `study`), one per distinct config (compile and run-time knobs).
+    `complete` (the family's `complete_stored`) fills in knobs that older studies did not have,
+    so that the same kernel stored with and without a since-added default counts once."""
     trials = []
     for st in load_studies(storage):
-        if st.user_attrs.get("shape") == shape:
+        if st.user_attrs.get("shape") == shape and study in (None, st.study_name):
             trials += [t for t in st.get_trials(deepcopy=False) if t.user_attrs.get("family") == family]
     return distinct_best(trials, k, (lambda t: complete(stored_config(t))) if complete else None)
 
@@ -162,6 +162,10 @@ def main() -> None:
     ap.add_argument("--study-tag", default="",
                     help="tune into a new study named '<shape's study>-TAG' (fresh: the seeds run first) "
                          "instead of resuming the shape's study; the best is still taken over all studies")
+    ap.add_argument("--tagged-only", action="store_true",
+                    help="with --study-tag: take the best (or --top K) from that study only. Stored times of "
+                         "different sessions were measured on different GPUs (one kernel moved 4%% between "
+                         "two H200s), so the fair pool is one study from one machine")
     ap.add_argument("--pdl", action="store_true",
                     help="also time each library family's best launched with programmatic dependent launch")
     ap.add_argument("--variant", action="append", default=[], metavar="[SHAPE:]KNOB=VALUE[,KNOB=VALUE]",
@@ -176,6 +180,8 @@ def main() -> None:
     ap.add_argument("--time-per-family", type=float, default=40.0,
                     help="seconds of search per (shape, cute family); wmma gets a third")
     args = ap.parse_args()
+    if args.tagged_only and not args.study_tag:
+        raise SystemExit("--tagged-only: name the study with --study-tag TAG")
     for text in args.variant:
         only = text.rpartition(":")[0]
         try:
@@ -198,13 +204,14 @@ def main() -> None:
         builds = {}
         for fam_name in args.families.split(","):
             fam = space.family(fam_name)
+            name = study_name(shape, [fam], target.arch) + (f"-{args.study_tag}" if args.study_tag else "")
             if args.trials > 0:
-                name = study_name(shape, [fam], target.arch) + (f"-{args.study_tag}" if args.study_tag else "")
                 tune(space, [fam_name], shape, backend, trials=args.trials, storage=args.storage, name=name,
                      seed=args.seed, pool=pool,
                      # wmma compiles in a second, CuTe in 20-50 s: give the slow families the time
                      timeout_s=args.time_per_family / (3 if fam_name == "wmma" else 1))
-            top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1), fam.complete_stored)
+            top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1), fam.complete_stored,
+                                study=name if args.tagged_only else None)
             if not top:
                 rows.append(Row(shape, fam_name, "no verified kernel"))
                 continue

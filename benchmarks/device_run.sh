@@ -43,7 +43,7 @@ for step in "$@"; do
              # each bench10 step of a call writes its own bench10_<step number> folder and log
              timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT/bench10_$n" --families cute_sm90 \
                --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} \
-               ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_SEED:+--seed $BENCH_SEED} ${BENCH_TAG:+--study-tag $BENCH_TAG} \
+               ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_SEED:+--seed $BENCH_SEED} ${BENCH_TAG:+--study-tag $BENCH_TAG} ${BENCH_TAGGED_ONLY:+--tagged-only} \
                ${BENCH_TOP:+--top $BENCH_TOP} ${BENCH_SELECT_RUNS:+--select-runs $BENCH_SELECT_RUNS} ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_PDL:+--pdl} \
                "${VARIANT_ARGS[@]}" 2>&1 | tee "$OUT/bench10_$n.log" | tail -40 ;;
     pdlprobe) # do cuBLAS / cuBLASLt / torch launch back-to-back GEMMs with PDL? (benchmarks/pdl_probe.py)

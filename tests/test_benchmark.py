@@ -679,3 +679,21 @@ def test_bench_families_top_k_counts_one_kernel_once(tmp_path):
     assert [t.value for t in top] == [37.6, 38.2]
     raw = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 5)  # without completion: two keys
     assert [t.value for t in raw] == [37.6, 37.8, 38.2]
+
+
+def test_bench_families_top_k_from_one_study_only(tmp_path):
+    """study=NAME (--tagged-only) pools one study's trials: a faster time stored by another
+    study (another session, another GPU) does not crowd this study's configs out."""
+    import optuna
+
+    bf = _bench_families()
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    for name, value, stages in (("old", 37.6, 8), ("new-s13", 39.9, 6), ("new-s13", 39.0, 4)):
+        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True)
+        study.set_user_attr("shape", "16384x128x4096")
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
+            "config": {"TILE_N": 128, "STAGES": stages}, "variant": {}, "status": "ok", "family": "cute_sm90"}))
+    assert [t.value for t in bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2)] == [37.6, 39.0]
+    only = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, study="new-s13")
+    assert [t.value for t in only] == [39.0, 39.9]
+    assert bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, study="missing") == []

@@ -95,6 +95,8 @@ families:
     (GOOD.replace("    template: wmma.cu.j2", "    template: wmma.cu.j2\n    seeds: 5"),
      "families.wmma.seeds: expected a list"),
     (GOOD + "shapes:\n  mine: {preset: [1]}\n", "unknown preset"),
+    (GOOD.replace("    template: wmma.cu.j2", '    template: wmma.cu.j2\n    seeds: [{BM: 64, when: "BM < 9"}]'),
+     "families.wmma.seeds.0.when: unknown name(s) BM"),
 ])
 def test_broken_space_files_name_file_line_and_key(tmp_path, broken, needle):
     path = _write_space(tmp_path, broken)
@@ -102,6 +104,31 @@ def test_broken_space_files_name_file_line_and_key(tmp_path, broken, needle):
         load_space(path)
     assert str(path) in str(err.value)
     assert needle in str(err.value)
+
+
+def test_seed_when_keeps_a_seed_to_the_shapes_it_names(tmp_path):
+    from tuner.shapes import parse_shape
+
+    text = GOOD.replace("    template: wmma.cu.j2",
+                        '    template: wmma.cu.j2\n    seeds: [{BM: 64, when: "M <= 64 and N > K"}]')
+    fam = load_space(_write_space(tmp_path, text)).family("wmma")
+    assert fam.seeds == [{"BM": 64}]  # `when` is not a knob
+    assert fam.seeds_for(parse_shape("64x8192x4096")) == [{"BM": 64}]
+    assert fam.seeds_for(parse_shape("4096x4096x8192")) == []
+    assert fam.seeds_for(parse_shape("64x1024x4096")) == []
+
+
+def test_shipped_seeds_for_one_shape_stay_with_it():
+    """space.yaml's M = 64 seeds (session 13) are tried first at 64x8192x4096, not at 4096^3."""
+    from tuner.search import seed_configs
+    from tuner.shapes import parse_shape
+
+    fam = load_space("space.yaml").family("cute_sm90")
+    skinny = seed_configs(fam, parse_shape("64x8192x4096"))
+    square = seed_configs(fam, parse_shape("4096x4096x8192"))
+    stream_b = [c for c in skinny if c["L2_HINT"] == "stream_b"]
+    assert len(stream_b) == 3 and not [c for c in square if c["L2_HINT"] == "stream_b"]
+    assert len(square) < len(skinny) < len(fam.seeds) + 1
 
 
 def test_good_minimal_space(tmp_path):

@@ -348,10 +348,10 @@ def measured_trials(study: optuna.Study) -> int:
 
 def seed_configs(fam: Family, shape: Shape) -> list[dict[str, Any]]:
     """Configs worth trying first: the family default, the family's `seeds` from space.yaml
-    (invalid ones for this shape are rejected before nvcc like any other), then tile sizes
-    matched to the shape."""
+    whose `when` holds for the shape (invalid ones for this shape are rejected before nvcc
+    like any other), then tile sizes matched to the shape."""
     seeds = [fam.compile_config(fam.defaults())]
-    seeds += [fam.compile_config(fam.defaults() | s) for s in fam.seeds]
+    seeds += [fam.compile_config(fam.defaults() | s) for s in fam.seeds_for(shape)]
     knobs = {k.name: k for k in fam.compile_knobs}
     if {"BM", "BN"} <= set(knobs):
         for bm, bn in ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64)):

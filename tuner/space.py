@@ -176,6 +176,8 @@ class Family:
     templates_dir: Path = Path("templates")  # beside the space file that declared the family
     artifact: str = "cubin"          # cubin (device code, 1-D launch from `launch`) | library (host+device .so)
     seeds: list[dict[str, Any]] = field(default_factory=list)  # partial configs a fresh study tries first
+    # A seed's `when` (an expression over M, N, K; None: every shape), index for index with seeds.
+    seed_when: list[Expr | None] = field(default_factory=list)
     # Accumulator types the template can build (rendered as ACCUM); the problem picks one.
     accumulate: tuple[str, ...] = ("fp32",)
     # An LLM wrote the template (a proposal, or a version accepted from one): it is rendered in
@@ -189,6 +191,13 @@ class Family:
     @property
     def runtime_knobs(self) -> list[Knob]:
         return [k for k in self.knobs.values() if k.kind == "runtime"]
+
+    def seeds_for(self, shape: Shape) -> list[dict[str, Any]]:
+        """The seeds whose `when` holds for this shape (a seed found for M = 64 is not worth a
+        compile at 4096x4096x8192)."""
+        when = self.seed_when or [None] * len(self.seeds)
+        env = {"M": shape.M, "N": shape.N, "K": shape.K}
+        return [seed for seed, cond in zip(self.seeds, when, strict=True) if cond is None or cond.eval(env)]
 
     def defaults(self) -> dict[str, Any]:
         return {k.name: k.default for k in self.knobs.values()}
@@ -362,7 +371,7 @@ class _Loader:
             if lkey not in launch_raw:
                 raise self.fail(keys + ("launch",), f"missing {lkey!r}")
             launch[lkey] = self.expr(launch_raw[lkey], keys + ("launch", lkey), known)
-        seeds = []
+        seeds, seed_when = [], []
         seeds_raw = raw.get("seeds", []) or []
         if not isinstance(seeds_raw, list):
             raise self.fail(keys + ("seeds",), "expected a list of partial configs ({KNOB: value, ...})")
@@ -371,13 +380,16 @@ class _Loader:
             raise self.fail(keys + ("min_arch",), f"expected a compute capability such as 80 or 90, got {min_arch!r}")
         for i, seed in enumerate(seeds_raw):
             skeys = keys + ("seeds", i)
-            seed = self.mapping(seed, skeys)
+            seed = dict(self.mapping(seed, skeys))
+            # `when: "M <= 64"`: try this seed first only for shapes where the expression holds
+            when = seed.pop("when", None)
+            seed_when.append(None if when is None else self.expr(when, skeys + ("when",), {"M", "N", "K"}))
             for kname, value in seed.items():
                 if kname not in knobs or knobs[kname].kind != "compile":
                     raise self.fail(skeys + (kname,), "seeds set compile-time knobs of this family only")
                 if value not in knobs[kname].values:
                     raise self.fail(skeys + (kname,), f"{value!r} is not one of {list(knobs[kname].values)}")
-            seeds.append(dict(seed))
+            seeds.append(seed)
         # Relative to the space file's templates/ folder; may point elsewhere ("../x/y.cu.j2").
         template_path = Path(os.path.normpath(self.path.parent / "templates" / str(raw["template"])))
         if not template_path.is_file():
@@ -385,7 +397,8 @@ class _Loader:
         return Family(name=str(name), template=template_path.name, description=str(raw.get("description", "")),
                       min_arch=min_arch, knobs=knobs, derived=derived,
                       constraints=constraints, launch=launch, templates_dir=template_path.parent,
-                      artifact=artifact, seeds=seeds, accumulate=tuple(accumulate), untrusted=untrusted)
+                      artifact=artifact, seeds=seeds, seed_when=seed_when, accumulate=tuple(accumulate),
+                      untrusted=untrusted)
 
     def shapes(self, raw: Any) -> dict[str, list[Shape]]:
         """Named shape lists: MxNxK strings, {grid: {M: [...], N: [...], K: [...]}},

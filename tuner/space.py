@@ -176,8 +176,8 @@ class Family:
     templates_dir: Path = Path("templates")  # beside the space file that declared the family
     artifact: str = "cubin"          # cubin (device code, 1-D launch from `launch`) | library (host+device .so)
     seeds: list[dict[str, Any]] = field(default_factory=list)  # partial configs a fresh study tries first
-    # A seed's `when` (an expression over M, N, K; None: every shape), index for index with seeds.
-    seed_when: list[Expr | None] = field(default_factory=list)
+    # seed index -> its `when` (an expression over M, N, K); a seed without one is for every shape
+    seed_when: dict[int, Expr] = field(default_factory=dict)
     # Accumulator types the template can build (rendered as ACCUM); the problem picks one.
     accumulate: tuple[str, ...] = ("fp32",)
     # An LLM wrote the template (a proposal, or a version accepted from one): it is rendered in
@@ -195,9 +195,8 @@ class Family:
     def seeds_for(self, shape: Shape) -> list[dict[str, Any]]:
         """The seeds whose `when` holds for this shape (a seed found for M = 64 is not worth a
         compile at 4096x4096x8192)."""
-        when = self.seed_when or [None] * len(self.seeds)
         env = {"M": shape.M, "N": shape.N, "K": shape.K}
-        return [seed for seed, cond in zip(self.seeds, when, strict=True) if cond is None or cond.eval(env)]
+        return [seed for i, seed in enumerate(self.seeds) if i not in self.seed_when or self.seed_when[i].eval(env)]
 
     def defaults(self) -> dict[str, Any]:
         return {k.name: k.default for k in self.knobs.values()}
@@ -371,7 +370,7 @@ class _Loader:
             if lkey not in launch_raw:
                 raise self.fail(keys + ("launch",), f"missing {lkey!r}")
             launch[lkey] = self.expr(launch_raw[lkey], keys + ("launch", lkey), known)
-        seeds, seed_when = [], []
+        seeds, seed_when = [], {}
         seeds_raw = raw.get("seeds", []) or []
         if not isinstance(seeds_raw, list):
             raise self.fail(keys + ("seeds",), "expected a list of partial configs ({KNOB: value, ...})")
@@ -382,8 +381,8 @@ class _Loader:
             skeys = keys + ("seeds", i)
             seed = dict(self.mapping(seed, skeys))
             # `when: "M <= 64"`: try this seed first only for shapes where the expression holds
-            when = seed.pop("when", None)
-            seed_when.append(None if when is None else self.expr(when, skeys + ("when",), {"M", "N", "K"}))
+            if "when" in seed:
+                seed_when[i] = self.expr(seed.pop("when"), skeys + ("when",), {"M", "N", "K"})
             for kname, value in seed.items():
                 if kname not in knobs or knobs[kname].kind != "compile":
                     raise self.fail(skeys + (kname,), "seeds set compile-time knobs of this family only")

@@ -19,6 +19,10 @@ runs of their own (default 3, each in a fresh worker) and keeps the lowest media
 times the kept ones against the vendors in R more runs, each in a fresh worker process (new
 buffers), and reports median times and the median and range of the per-run ratios. No selection
 run is one of the reported runs, so picking the luckiest of K does not flatter the table.
+
+--build-only (with --trials 0) needs no GPU: it compiles every contender the same arguments would time
+(for --arch) into the compile cache and stops. Build on a CPU machine, carry the cache
+(HGEMM_TUNE_CACHE) to the GPU machine, and its run spends no GPU time waiting for nvcc.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tuner.render import render
 from tuner.search import compare_candidate, study_name, tune
 from tuner.shapes import parse_shape
 from tuner.space import UserError, load_space
+from tuner.target import target_for_arch
 
 # Issue 3's shapes: big squares, skinny (M or N <= 256) and odd sizes (tails).
 SHAPES = ("4096x4096x8192,8192x8192x8192,16384x16384x16384,1024x1024x1024,256x4096x4096,64x8192x4096,"
@@ -179,7 +184,12 @@ def main() -> None:
                     help="time the kept contenders and the vendors in R runs, each in a fresh worker")
     ap.add_argument("--time-per-family", type=float, default=40.0,
                     help="seconds of search per (shape, cute family); wmma gets a third")
+    ap.add_argument("--build-only", action="store_true",
+                    help="with --trials 0: compile the contenders into the cache and stop (no GPU needed)")
+    ap.add_argument("--arch", default="sm_90a", help="with --build-only: the GPU arch to build for")
     args = ap.parse_args()
+    if args.build_only and args.trials:
+        raise SystemExit("--build-only: tuning needs the GPU; pass --trials 0")
     if args.tagged_only and not args.study_tag:
         raise SystemExit("--tagged-only: name the study with --study-tag TAG")
     for text in args.variant:
@@ -191,9 +201,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     space = load_space("space.yaml")
-    backend = GpuBackend(log_path=out / "bench_worker.log")
+    backend = None if args.build_only else GpuBackend(log_path=out / "bench_worker.log")
     pool = CompilePool()
-    target = backend.target
+    target = target_for_arch(args.arch) if args.build_only else backend.target
     rows = []
     t0 = time.perf_counter()
     # Phase 1: tune (unless --trials 0) and pick every shape's bests, starting their builds
@@ -239,6 +249,18 @@ def main() -> None:
                 for name in twin_sources:
                     builds[f"{name}+PDL"] = builds[name][:3] + (True,)
         picked.append((shape, builds))
+    if args.build_only:
+        for shape, builds in picked:
+            for name, (_, future, _, _) in builds.items():
+                cres = future.result()
+                if not cres.ok:
+                    status = f"build failed: {(cres.error or '')[:200]}"
+                else:
+                    status = ("cached" if cres.cached else f"built in {cres.seconds:.0f} s") + \
+                        f", {cres.registers} registers, {cres.spill_bytes} spill bytes"
+                print(f"{shape} {name}: {status}", flush=True)
+        pool.close()
+        return
     # Phase 2: verify again and time each shape's bests against the vendor libraries.
     for shape, builds in picked:
         candidates, configs = {}, {}

@@ -4,7 +4,8 @@
 #   bash benchmarks/device_run.sh BENCH_TRIALS=36 bench10 BENCH_TRIALS=0 bench10   (NAME=VALUE: for the steps after it)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=/tmp/cubins
+# HGEMM_TUNE_CACHE: a carried cache (built on CPU: bench_families.py --build-only) saves nvcc time here
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=${HGEMM_TUNE_CACHE:-/tmp/cubins}
 OUT=${OUT:-runs/out}; mkdir -p "$OUT" runs
 # Every step's timeout is capped by what is left of DEVICE_BUDGET_S for the whole call, so the
 # call always reaches the packing below (the device tool kills a command at 600 s).

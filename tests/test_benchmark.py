@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -697,3 +698,33 @@ def test_bench_families_top_k_from_one_study_only(tmp_path):
     only = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, study="new-s13")
     assert [t.value for t in only] == [39.0, 39.9]
     assert bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, study="missing") == []
+
+
+@pytest.mark.nvcc
+def test_bench_families_build_only_fills_the_cache_without_a_gpu(tmp_path):
+    """--build-only compiles the stored best and each variant into HGEMM_TUNE_CACHE and stops
+    before any GPU work (this test runs where there is none), so a CPU machine can build the
+    cache that a GPU run then carries; --trials with it is refused."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="256x256x256-wmma", storage=storage)
+    study.set_user_attr("shape", "256x256x256")
+    best = {"BM": 64, "BN": 64, "BK": 32, "WARP_M": 2, "WARP_N": 2, "STAGES": 2, "PAD": 8}
+    study.add_trial(optuna.trial.create_trial(value=5.0, user_attrs={
+        "config": best, "variant": {"SWIZZLE_LOG": 1}, "status": "ok", "family": "wmma"}))
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "benchmarks" / "bench_families.py"), "--build-only", "--trials", "0",
+           "--families", "wmma", "--shapes", "256x256x256", "--storage", storage, "--out", str(tmp_path / "out"),
+           "--variant", "PAD=0"]
+    env = os.environ | {"HGEMM_TUNE_CACHE": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(done.stdout.splitlines())
+    assert len(lines) == 2 and all("built in" in line and "0 spill bytes" in line for line in lines), lines
+    assert [line.partition(":")[0] for line in lines] == ["256x256x256 wmma+PAD=0", "256x256x256 wmma"]
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
+    again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert again.stdout.count(": cached,") == 2  # the GPU run that carries the cache compiles nothing
+    refused = subprocess.run(cmd[:3] + ["--trials", "3"], cwd=root, env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and "pass --trials 0" in refused.stderr

@@ -20,9 +20,10 @@ times the kept ones against the vendors in R more runs, each in a fresh worker p
 buffers), and reports median times and the median and range of the per-run ratios. No selection
 run is one of the reported runs, so picking the luckiest of K does not flatter the table.
 
---build-only (with --trials 0) needs no GPU: it compiles every contender the same arguments would time
-(for --arch) into the compile cache and stops. Build on a CPU machine, carry the cache
-(HGEMM_TUNE_CACHE) to the GPU machine, and its run spends no GPU time waiting for nvcc.
+--build-only needs no GPU: it compiles every contender the same arguments would time (for --arch),
+and with --trials N the seeds a fresh study tries first, into the compile cache and stops. Build on a
+CPU machine, carry the cache (HGEMM_TUNE_CACHE) to the GPU machine, and its run spends no GPU time
+waiting for nvcc on those builds.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from tuner.bench import GpuBackend
 from tuner.compile import CompilePool
 from tuner.confirm import VENDORS, PairedRuns, distinct_best, stored_config
 from tuner.export import load_studies
 from tuner.render import render
-from tuner.search import compare_candidate, study_name, tune
+from tuner.search import compare_candidate, prepare, seed_configs, study_name, tune
 from tuner.shapes import parse_shape
 from tuner.space import UserError, load_space
 from tuner.target import target_for_arch
@@ -185,11 +187,10 @@ def main() -> None:
     ap.add_argument("--time-per-family", type=float, default=40.0,
                     help="seconds of search per (shape, cute family); wmma gets a third")
     ap.add_argument("--build-only", action="store_true",
-                    help="with --trials 0: compile the contenders into the cache and stop (no GPU needed)")
+                    help="compile the contenders (and with --trials N the study's seeds) into the cache and "
+                         "stop (no GPU needed)")
     ap.add_argument("--arch", default="sm_90a", help="with --build-only: the GPU arch to build for")
     args = ap.parse_args()
-    if args.build_only and args.trials:
-        raise SystemExit("--build-only: tuning needs the GPU; pass --trials 0")
     if args.tagged_only and not args.study_tag:
         raise SystemExit("--tagged-only: name the study with --study-tag TAG")
     for text in args.variant:
@@ -215,13 +216,24 @@ def main() -> None:
         for fam_name in args.families.split(","):
             fam = space.family(fam_name)
             name = study_name(shape, [fam], target.arch) + (f"-{args.study_tag}" if args.study_tag else "")
-            if args.trials > 0:
+            if args.trials > 0 and args.build_only:  # the seeds a fresh study measures first
+                cpu = SimpleNamespace(target=target, needs_cubin=True)
+                for i, seed in enumerate(seed_configs(fam, shape)[:args.trials]):
+                    pending = prepare(fam, seed, shape, cpu, pool)
+                    if pending.future:  # None: the seed cannot run this shape
+                        builds[f"{fam_name}:seed{i}"] = (fam_name, pending.future, seed, False)
+            elif args.trials > 0:
                 tune(space, [fam_name], shape, backend, trials=args.trials, storage=args.storage, name=name,
                      seed=args.seed, pool=pool,
                      # wmma compiles in a second, CuTe in 20-50 s: give the slow families the time
                      timeout_s=args.time_per_family / (3 if fam_name == "wmma" else 1))
-            top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1), fam.complete_stored,
-                                study=name if args.tagged_only else None)
+            try:
+                top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1), fam.complete_stored,
+                                    study=name if args.tagged_only else None)
+            except UserError:
+                if not (args.build_only and args.trials > 0):
+                    raise
+                top = []  # building a fresh study's seeds before its storage exists
             if not top:
                 rows.append(Row(shape, fam_name, "no verified kernel"))
                 continue

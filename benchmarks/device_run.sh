@@ -17,6 +17,7 @@ BEST_16384x128x4096='{"TILE_M":128,"TILE_N":64,"STAGES":8,"CLUSTER_M":1,"CLUSTER
 nvidia-smi --query-gpu=name,uuid,serial,pci.bus_id,clocks.sm,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu --format=csv,noheader \
   | tee "$OUT/gpu.txt"
 n=0
+BENCH_DBS=()
 for step in "$@"; do
   # NAME=VALUE between steps sets a variable for the steps after it:
   #   bash benchmarks/device_run.sh BENCH_TRIALS=36 bench10 BENCH_TRIALS=0 BENCH_SHAPES= bench10
@@ -42,6 +43,7 @@ for step in "$@"; do
              VARIANT_ARGS=(); IFS=';' read -ra _variants <<< "${BENCH_VARIANTS:-}"
              for v in "${_variants[@]}"; do VARIANT_ARGS+=(--variant "$v"); done
              # each bench10 step of a call writes its own bench10_<step number> folder and log
+             [[ ${BENCH_STORAGE:-} == sqlite:///* ]] && BENCH_DBS+=("${BENCH_STORAGE#sqlite:///}")
              timeout "$(cap ${BENCH_TIMEOUT:-560})" python3 benchmarks/bench_families.py --out "$OUT/bench10_$n" --families cute_sm90 \
                --trials "${BENCH_TRIALS:-10}" --time-per-family "${BENCH_TUNE_S:-600}" ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} \
                ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_SEED:+--seed $BENCH_SEED} ${BENCH_TAG:+--study-tag $BENCH_TAG} ${BENCH_TAGGED_ONLY:+--tagged-only} \
@@ -121,8 +123,8 @@ for step in "$@"; do
   esac
 done
 cp runs/hgemm.db runs/tune200.db runs/sweep27.db "$OUT/" 2>/dev/null
-# a bench step's own study database (BENCH_STORAGE=sqlite:///PATH) comes back too: trials tuned here
-[[ ${BENCH_STORAGE:-} == sqlite:///* ]] && cp "${BENCH_STORAGE#sqlite:///}" "$OUT/" 2>/dev/null
+# every bench step's study database (BENCH_STORAGE=sqlite:///PATH) comes back too: trials tuned here
+for db in "${BENCH_DBS[@]}"; do cp "$db" "$OUT/" 2>/dev/null; done
 # The device tool brings back at most 8 files: pack everything into one archive.
 tar czf /tmp/device_results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/device_results.tgz "$OUT/"
 echo "=== done $(date +%T)"

@@ -704,7 +704,7 @@ def test_bench_families_top_k_from_one_study_only(tmp_path):
 def test_bench_families_build_only_fills_the_cache_without_a_gpu(tmp_path):
     """--build-only compiles the stored best and each variant into HGEMM_TUNE_CACHE and stops
     before any GPU work (this test runs where there is none), so a CPU machine can build the
-    cache that a GPU run then carries; --trials with it is refused."""
+    cache that a GPU run then carries; with --trials N it builds a fresh study's first N seeds."""
     import optuna
 
     storage = f"sqlite:///{tmp_path / 's.db'}"
@@ -726,5 +726,13 @@ def test_bench_families_build_only_fills_the_cache_without_a_gpu(tmp_path):
     assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
     again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert again.stdout.count(": cached,") == 2  # the GPU run that carries the cache compiles nothing
-    refused = subprocess.run(cmd[:3] + ["--trials", "3"], cwd=root, env=env, capture_output=True, text=True)
-    assert refused.returncode != 0 and "pass --trials 0" in refused.stderr
+    # --trials N: the first N seeds of a fresh (tagged) study, before its storage exists; the
+    # family's default config is the stored best above, so seed 0 is a cache hit
+    fresh = ["--storage", f"sqlite:///{tmp_path / 'fresh.db'}"]
+    seeds = subprocess.run(cmd[:3] + ["--trials", "2", "--study-tag", "fresh", "--tagged-only"]
+                           + cmd[5:9] + cmd[11:13] + fresh,
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert seeds.returncode == 0, seeds.stderr
+    lines = seeds.stdout.splitlines()
+    assert [line.partition(": ")[0] for line in lines] == ["256x256x256 wmma:seed0", "256x256x256 wmma:seed1"]
+    assert ": cached," in lines[0] and ": built in" in lines[1]

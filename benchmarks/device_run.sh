@@ -4,8 +4,12 @@
 #   bash benchmarks/device_run.sh BENCH_TRIALS=36 bench10 BENCH_TRIALS=0 bench10   (NAME=VALUE: for the steps after it)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-# HGEMM_TUNE_CACHE: a carried cache (built on CPU: bench_families.py --build-only) saves nvcc time here
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=${HGEMM_TUNE_CACHE:-/tmp/cubins}
+# Builds made on the CPU machine (bench_families.py --build-only) travel as runs/cubins.tar.xz:
+#   tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .   (xz: ~30 MB of CUTLASS builds -> ~1 MB)
+# and are unpacked into the cache here, so this call spends no time in nvcc on them.
+[[ -f runs/cubins.tar.xz ]] && mkdir -p "$HGEMM_TUNE_CACHE" && tar xJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" \
+  && echo "carried builds: $(find "$HGEMM_TUNE_CACHE" -name '*.so' -o -name '*.cubin' | wc -l)"
 OUT=${OUT:-runs/out}; mkdir -p "$OUT" runs
 # Every step's timeout is capped by what is left of DEVICE_BUDGET_S for the whole call, so the
 # call always reaches the packing below (the device tool kills a command at 600 s).

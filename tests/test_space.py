@@ -119,16 +119,22 @@ def test_seed_when_keeps_a_seed_to_the_shapes_it_names(tmp_path):
 
 
 def test_shipped_seeds_for_one_shape_stay_with_it():
-    """space.yaml's M = 64 seeds (session 13) are tried first at 64x8192x4096, not at 4096^3."""
+    """space.yaml's M = 64 seeds (session 13) are tried first at 64x8192x4096 and its M <= 128 ones
+    (session 14) there and at 128x16384x16384, none of them at 4096^3."""
     from tuner.search import seed_configs
     from tuner.shapes import parse_shape
 
     fam = load_space("space.yaml").family("cute_sm90")
-    skinny = seed_configs(fam, parse_shape("64x8192x4096"))
+    m64 = seed_configs(fam, parse_shape("64x8192x4096"))
+    m128 = seed_configs(fam, parse_shape("128x16384x16384"))
     square = seed_configs(fam, parse_shape("4096x4096x8192"))
-    stream_b = [c for c in skinny if c["L2_HINT"] == "stream_b"]
-    assert len(stream_b) == 3 and not [c for c in square if c["L2_HINT"] == "stream_b"]
-    assert len(square) < len(skinny) < len(fam.seeds) + 1
+
+    def stream_b(seeds):
+        return [(c["TILE_M"], c["TILE_N"]) for c in seeds if c["L2_HINT"] == "stream_b"]
+
+    assert sorted(stream_b(m64)) == [(64, 64)] * 3 + [(64, 256)] * 2
+    assert stream_b(m128) == [(64, 256)] * 2 and stream_b(square) == []
+    assert len(square) < len(m128) < len(m64) < len(fam.seeds) + 1
 
 
 def test_good_minimal_space(tmp_path):

@@ -6,7 +6,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=${HGEMM_TUNE_CACHE:-/tmp/cubins}
 # Builds made on the CPU machine (bench_families.py --build-only) travel as runs/cubins.tar.xz:
-#   tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .   (xz: ~30 MB of CUTLASS builds -> ~1 MB)
+#   tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .   (xz: ~30 MB of CUTLASS builds -> ~1.5 MB)
 # and are unpacked into the cache here, so this call spends no time in nvcc on them.
 [[ -f runs/cubins.tar.xz ]] && mkdir -p "$HGEMM_TUNE_CACHE" && tar xJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" \
   && echo "carried builds: $(find "$HGEMM_TUNE_CACHE" -name '*.so' -o -name '*.cubin' | wc -l)"

@@ -193,3 +193,32 @@ def test_broken_family_compile_error_is_a_failed_trial(tmp_path):
     rec = finish(prepare(fam, {"MODE": "compile_error"}, shape, CompileOnly(), pool), shape, CompileOnly(), 10)
     pool.close()
     assert rec.status == "compile_error" and "this_does_not_compile" in rec.reason
+
+
+def test_compile_pool_runs_one_job_for_one_source_in_flight(tmp_path, monkeypatch):
+    """Two submits of the same source while its build runs share one job (configs that differ
+    only in run-time knobs); another arch is another job; once done, a submit starts anew."""
+    import threading
+
+    from tuner import compile as compile_mod
+
+    release, calls = threading.Event(), []
+
+    def fake_compile(source, arch, cache_dir, timeout_s, artifact):
+        calls.append((source, arch))
+        release.wait(10)
+        return arch
+
+    monkeypatch.setattr(compile_mod, "compile_source", fake_compile)
+    pool = compile_mod.CompilePool(2, cache_dir=tmp_path)
+    try:
+        first, twin = pool.submit("src", "sm_90a"), pool.submit("src", "sm_90a")
+        other = pool.submit("src", "sm_80")
+        assert twin is first and other is not first
+        release.set()
+        assert (first.result(), other.result()) == ("sm_90a", "sm_80")
+        again = pool.submit("src", "sm_90a")
+        assert again is not first and again.result() == "sm_90a"
+        assert sorted(calls) == [("src", "sm_80"), ("src", "sm_90a"), ("src", "sm_90a")]
+    finally:
+        pool.close()

@@ -16,8 +16,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -161,9 +162,25 @@ class CompilePool:
         self.cache_dir = cache_dir
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="nvcc")
+        self._in_flight: dict[tuple[str, str, str], Future] = {}
+        self._lock = threading.RLock()  # a build done before add_done_callback calls back at once
 
-    def submit(self, source: str, arch: str, artifact: str = "cubin"):
-        return self._pool.submit(compile_source, source, arch, self.cache_dir, self.timeout_s, artifact)
+    def submit(self, source: str, arch: str, artifact: str = "cubin") -> Future:
+        # Two configs that differ only in run-time knobs render the same source: while its build
+        # runs, they share one nvcc job (a finished one is looked up in the disk cache instead).
+        job = (hashlib.sha256(source.encode()).hexdigest(), arch, artifact)
+        with self._lock:
+            future = self._in_flight.get(job)
+            if future is None or future.done():
+                future = self._pool.submit(compile_source, source, arch, self.cache_dir, self.timeout_s, artifact)
+                self._in_flight[job] = future
+                future.add_done_callback(lambda f, job=job: self._forget(job, f))
+            return future
+
+    def _forget(self, job: tuple[str, str, str], future: Future) -> None:
+        with self._lock:
+            if self._in_flight.get(job) is future:
+                del self._in_flight[job]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

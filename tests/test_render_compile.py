@@ -94,6 +94,20 @@ def test_cute_sm90_our_kernel_body_renders_only_when_asked_and_where_it_applies(
         assert any("our kernel body" in v for v in violations), (other, violations)
 
 
+def test_cute_sm90_four_cta_clusters_ask_the_driver_how_many_fit(space):
+    """CUTLASS's persistent grid guesses 18 SMs per GPC: exact for clusters of 1 and 2 CTAs, 116
+    CTAs (29 clusters) for clusters of 4 on 132 SMs. 4-CTA builds pass the driver's count
+    (cudaOccupancyMaxActiveClusters) instead; smaller clusters render without the query."""
+    fam = space.family("cute_sm90")
+    for cm, cn in ((2, 2), (4, 1), (1, 4)):
+        src = render(fam, fam.complete({"CLUSTER_M": cm, "CLUSTER_N": cn}), "sm_90a")
+        assert "hw.max_active_clusters = max_active_clusters();" in src
+        assert f"config.gridDim = dim3({cm}, {cn}, 1);" in src
+    for cm, cn in ((1, 1), (2, 1), (1, 2)):
+        src = render(fam, fam.complete({"CLUSTER_M": cm, "CLUSTER_N": cn}), "sm_90a")
+        assert "max_active_clusters" not in src and "cudaOccupancyMaxActiveClusters" not in src
+
+
 def test_cute_sm90_timeline_stamps_render_only_for_the_probe(space):
     """TIMELINE (benchmarks/timeline_probe.py only) wraps the kernel in per-CTA clock stamps and
     our producer loop; no tuned kernel ever carries them: the plain render launches CUTLASS's

@@ -96,6 +96,9 @@ for step in "$@"; do
     readbw) # the read-bandwidth ceiling of the skinny shapes' big operands (benchmarks/read_bandwidth.cu)
             nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/read_bw benchmarks/read_bandwidth.cu \
               && timeout "$(cap 120)" /tmp/read_bw 2>&1 | tee "$OUT/read_bandwidth.log" ;;
+    clusterocc) # how many clusters of each shape the driver can make resident at once (benchmarks/cluster_occupancy.cu)
+                nvcc -O2 -gencode arch=compute_90a,code=sm_90a -o /tmp/cluster_occ benchmarks/cluster_occupancy.cu \
+                  && timeout "$(cap 60)" /tmp/cluster_occ 2>&1 | tee "$OUT/cluster_occupancy.log" ;;
     tmastream) # a TMA pipeline streaming 16384xK fp16 with no GEMM around it (benchmarks/tma_stream.cu), per TMASTREAM_KS, TMASTREAM_SET
                nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/tma_stream benchmarks/tma_stream.cu \
                  && for k in ${TMASTREAM_KS:-4096 16384}; do timeout "$(cap 120)" /tmp/tma_stream "$k" ${TMASTREAM_SET:-base} 2>&1 | tee -a "$OUT/tma_stream.log"; done ;;

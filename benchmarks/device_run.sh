@@ -5,6 +5,11 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=${HGEMM_TUNE_CACHE:-/tmp/cubins}
+# Every runtime dependency must import before any step runs: a wheel missing from .whl/ would
+# otherwise fail the steps that need it minutes in (session 17: jsonschema, 5 GPU tests).
+python3 -c 'import jsonschema, optuna, jinja2, yaml, typer, rich, pandas, cupy, nvmath, openai' || {
+  echo "device_run.sh: a runtime dependency is missing on the device; on the CPU machine run" \
+       "'bash ../shared/device/wheels.sh optuna openai nvidia-cutlass nvmath-python jsonschema' and carry .whl"; exit 1; }
 # Builds made on the CPU machine (bench_families.py --build-only) travel as runs/cubins.tar.xz:
 #   tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .   (xz: ~30 MB of CUTLASS builds -> ~1.5 MB)
 # and are unpacked into the cache here, so this call spends no time in nvcc on them.

@@ -161,3 +161,25 @@ def test_random_valid_config_is_valid_and_new(space, h200):
         taken.add(key)
     # A shape no config of the family can run: nothing to offer.
     assert random_valid_config([fam], parse_shape("64x8190x4096"), h200, set(), rng, tries=200) is None
+
+
+def test_a_trial_another_worker_finished_first_is_left_to_it(space, replay, tmp_path, monkeypatch):
+    """Two workers on SQLite can pop the same enqueued trial (no row locks), and on the replay
+    backend the other one may finish it before this one has suggested its params (CI saw a worker
+    die of UpdateFinishedTrialError). The study goes on and leaves that trial as the other told it."""
+    original_ask = optuna.Study.ask
+    taken: list[int] = []
+
+    def ask_raced(self, *args, **kwargs):
+        trial = original_ask(self, *args, **kwargs)
+        if not taken:  # the other worker tells the first trial before we touch it
+            taken.append(trial.number)
+            self.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+        return trial
+
+    monkeypatch.setattr(optuna.Study, "ask", ask_raced)
+    study = tune(space, ["cute_sm80", "wmma"], SHAPE, replay, trials=6, storage=f"sqlite:///{tmp_path}/r.db", seed=0)
+    trials = study.get_trials(deepcopy=False)
+    assert taken == [0]
+    assert trials[0].state == optuna.trial.TrialState.FAIL and not trials[0].params, "left as the other worker told it"
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) >= 1, "the study went on"

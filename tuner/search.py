@@ -533,35 +533,40 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                             trial = study.ask()
                         asks += 1
                         stale += 1
-                        fam, config = suggest(trial, families)
-                        key = config_key(fam.name, config)
-                        if stale and stale % EXPLORE_AFTER == 0:
-                            # The sampler keeps circling configs we have: steer it with a fresh valid one.
-                            pick = random_valid_config(families, shape, backend.target, claims.keys(), rng)
-                            if pick is None:
-                                stale = STALE_PROPOSALS  # nothing valid is left to try
-                            else:
-                                study.enqueue_trial(trial_params(*pick))
-                        prev = claims.get(key, exclude=trial.number)
-                        if prev is not None:
-                            # Measured, rejected or being measured already: never compile or time it twice.
-                            trial.set_user_attr("status", "duplicate")
-                            trial.set_user_attr("duplicate_of", prev.number)
-                            if prev.state == optuna.trial.TrialState.COMPLETE:
-                                study.tell(trial, prev.value)
-                            elif prev.state == optuna.trial.TrialState.PRUNED:
-                                study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # a repeat of an invalid one
-                            else:
-                                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                        try:
+                            fam, config = suggest(trial, families)
+                            key = config_key(fam.name, config)
+                            if stale and stale % EXPLORE_AFTER == 0:
+                                # The sampler keeps circling configs we have: steer it with a fresh valid one.
+                                pick = random_valid_config(families, shape, backend.target, claims.keys(), rng)
+                                if pick is None:
+                                    stale = STALE_PROPOSALS  # nothing valid is left to try
+                                else:
+                                    study.enqueue_trial(trial_params(*pick))
+                            prev = claims.get(key, exclude=trial.number)
+                            if prev is not None:
+                                # Measured, rejected or being measured already: never compile or time it twice.
+                                trial.set_user_attr("status", "duplicate")
+                                trial.set_user_attr("duplicate_of", prev.number)
+                                if prev.state == optuna.trial.TrialState.COMPLETE:
+                                    study.tell(trial, prev.value)
+                                elif prev.state == optuna.trial.TrialState.PRUNED:  # a repeat of an invalid one
+                                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                                else:
+                                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                                continue
+                            p = prepare(fam, config, shape, backend, pool, accumulate)
+                            p.trial = trial
+                            if p.record.status == "invalid":
+                                _tell(study, trial, p.record)
+                                progress.invalid += 1
+                                continue
+                            stale = 0
+                            queue.append(p)
+                        except optuna.exceptions.UpdateFinishedTrialError:
+                            # Another worker popped the same enqueued trial (SQLite cannot lock rows)
+                            # and finished it first: it is theirs; ask again.
                             continue
-                        p = prepare(fam, config, shape, backend, pool, accumulate)
-                        p.trial = trial
-                        if p.record.status == "invalid":
-                            _tell(study, trial, p.record)
-                            progress.invalid += 1
-                            continue
-                        stale = 0
-                        queue.append(p)
                 if not queue:
                     break
                 with INTERRUPTS.deferred():

@@ -85,3 +85,18 @@ def test_cute_sm90_fp16_accumulate_issues_f16_wgmma(space, tmp_path):
     sass = dump_sass(res.cubin)
     hgmma = [line for line in sass.splitlines() if "HGMMA." in line]
     assert hgmma and all(".F16" in line and ".F32" not in line for line in hgmma), hgmma[:3]
+
+
+def test_cute_sm90_wgmma_is_as_wide_as_the_tile(space, h200, tmp_path):
+    """One wgmma spans the tile's N (HGMMA.64xTILE_Nx16) for widths outside CUTLASS's short list of
+    8/16/32/64/96/128/192/256 too: without the extended shapes a 144-wide tile ran as nine 64x16x16
+    wgmmas per k-step, 1.3-3.5x slower on the GPU (NOTES.md, session 17)."""
+    import re
+
+    fam = space.family("cute_sm90")
+    cfg = fam.complete({"TILE_M": 128, "TILE_N": 144, "STAGES": 5, "CLUSTER_M": 1, "CLUSTER_N": 1})
+    assert not fam.violations(cfg, BIG, h200)
+    (res,) = _compile_all(fam, [cfg], tmp_path)
+    assert res.ok, res.error
+    widths = {int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16", dump_sass(res.cubin))}
+    assert widths == {144}, f"wgmma N {widths} in a 144-wide tile"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,31 @@ def test_a_trial_another_worker_finished_first_is_left_to_it(space, replay, tmp_
     assert taken == [0]
     assert trials[0].state == optuna.trial.TrialState.FAIL and not trials[0].params, "left as the other worker told it"
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) >= 1, "the study went on"
+
+
+def test_a_config_measured_on_other_code_is_measured_again(space, replay, tmp_path):
+    """A resumed study after a template change: a config whose stored trial ran other code (its
+    source hash differs from what the template renders now) is measured again, not skipped as a
+    duplicate; one measured on the same code still is a duplicate."""
+    from tuner.search import _key_of, evaluated_trials, trial_params
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    study = tune(space, ["cute_sm80"], SHAPE, replay, trials=6, storage=storage, seed=0)
+    done = [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE
+            and t.user_attrs.get("status") == "ok"]
+    assert len(done) >= 2
+    old, same = done[0], done[1]
+    fam = space.family("cute_sm80")
+    with sqlite3.connect(tmp_path / "s.db") as db:  # Optuna keeps finished trials read-only
+        db.execute("UPDATE trial_user_attributes SET value_json = ? WHERE trial_id = ? AND key = 'source_hash'",
+                   (json.dumps("0" * 16), old._trial_id))  # as if measured on an older template
+    before = len(study.get_trials())
+    for t in (old, same):  # proposed again: the first two asks of the resumed study
+        study.enqueue_trial(trial_params(fam, t.user_attrs["config"]))
+    again = tune(space, ["cute_sm80"], SHAPE, replay, trials=evaluated_trials(study) + 2, storage=storage, seed=0)
+    new = again.get_trials()[before:before + 2]
+    by_config = {_key_of(t): t for t in new}
+    remeasured = by_config[_key_of(old)]
+    assert remeasured.user_attrs["status"] == "ok" and remeasured.user_attrs["source_hash"] != "0" * 16
+    repeated = by_config[_key_of(same)]
+    assert repeated.user_attrs["status"] == "duplicate" and repeated.user_attrs["duplicate_of"] == same.number

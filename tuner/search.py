@@ -503,6 +503,23 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
     since_best = 0  # measured trials since the best improved (for patience)
     queue: deque[Pending] = deque()
 
+    current_hashes: dict[str, str | None] = {}
+
+    def measured_other_source(prev: optuna.trial.FrozenTrial, fam: Family, config: dict[str, Any]) -> bool:
+        """True if `prev` ran code that the template no longer renders for this config (a resumed
+        study after a template fix: session 17's wide tiles), so its time says nothing of the code now."""
+        stored = prev.user_attrs.get("source_hash")
+        if not stored or not prev.state.is_finished():
+            return False
+        key = config_key(fam.name, config)
+        if key not in current_hashes:
+            full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
+            try:
+                current_hashes[key] = source_hash(render(fam, full, backend.target.arch, accumulate=accumulate))
+            except (RenderError, UserError):
+                current_hashes[key] = None  # prepare() reports it if it is measured
+        return current_hashes[key] not in (None, stored)
+
     def want_more() -> bool:
         return (progress.done + len(queue) < trials and asks < max_asks and stale < STALE_PROPOSALS
                 and (patience is None or since_best < patience)
@@ -544,6 +561,8 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                                 else:
                                     study.enqueue_trial(trial_params(*pick))
                             prev = claims.get(key, exclude=trial.number)
+                            if prev is not None and measured_other_source(prev, fam, config):
+                                prev = None  # measured on another template's code: measure this one
                             if prev is not None:
                                 # Measured, rejected or being measured already: never compile or time it twice.
                                 trial.set_user_attr("status", "duplicate")

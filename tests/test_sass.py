@@ -7,6 +7,7 @@ seed configs must not spill to local memory (no LDL/STL). cute_sm80 must use mma
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,8 +92,6 @@ def test_cute_sm90_wgmma_is_as_wide_as_the_tile(space, h200, tmp_path):
     """One wgmma spans the tile's N (HGMMA.64xTILE_Nx16) for widths outside CUTLASS's short list of
     8/16/32/64/96/128/192/256 too: without the extended shapes a 144-wide tile ran as nine 64x16x16
     wgmmas per k-step, 1.3-3.5x slower on the GPU (NOTES.md, session 17)."""
-    import re
-
     fam = space.family("cute_sm90")
     cfg = fam.complete({"TILE_M": 128, "TILE_N": 144, "STAGES": 5, "CLUSTER_M": 1, "CLUSTER_N": 1})
     assert not fam.violations(cfg, BIG, h200)

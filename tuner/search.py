@@ -161,10 +161,16 @@ def compare_candidate(fam: Family, config: dict[str, Any], shape: Shape, target,
             "variant": fam.runtime_config(config)}
 
 
+def full_config(fam: Family, config: dict[str, Any]) -> dict[str, Any]:
+    """A compile config completed with the defaults of every knob, run-time ones included: what
+    the constraints check and the template renders."""
+    return fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
+
+
 def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend, pool: CompilePool | None,
             accumulate: str = "fp32") -> Pending:
     """Validate, render and (if the backend runs real code) start compiling one config."""
-    full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
+    full = full_config(fam, config)
     rec = TrialRecord(family=fam.name, config=fam.compile_config(full), status="pending")
     why = fam.violations(full, shape, backend.target)
     if why:
@@ -328,7 +334,7 @@ def random_valid_config(families: list[Family], shape: Shape, target, taken: set
     for _ in range(tries):
         fam = rng.choice(families)
         config = {k.name: rng.choice(k.values) for k in fam.compile_knobs}
-        full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
+        full = full_config(fam, config)
         if config_key(fam.name, config) not in taken and not fam.violations(full, shape, target):
             return fam, config
     return None
@@ -513,7 +519,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
             return False
         key = config_key(fam.name, config)
         if key not in current_hashes:
-            full = fam.complete(config | {k.name: k.default for k in fam.runtime_knobs})
+            full = full_config(fam, config)
             try:
                 current_hashes[key] = source_hash(render(fam, full, backend.target.arch, accumulate=accumulate))
             except (RenderError, UserError):

@@ -34,6 +34,26 @@ def _reply(times: dict, failed: tuple = ()) -> dict:
                        for n in names}}
 
 
+def test_a_time_measured_on_older_code_does_not_rank():
+    """A config measured again after its template changed (another source hash, later) ranks by its
+    new time only; a config measured once keeps its time whatever its hash."""
+    import datetime as dt
+
+    def at(t, minute: int, source_hash: str):
+        t.datetime_complete = dt.datetime(2026, 12, 5, 12, minute)
+        t.user_attrs["source_hash"] = source_hash
+        return t
+
+    stale = at(_trial(0, 5.0, config={"BM": 128}), 0, "aaaa")      # fast on the old code
+    again = at(_trial(1, 12.0, config={"BM": 128}), 30, "bbbb")    # the same config now
+    other = at(_trial(2, 9.0, config={"BM": 64}), 1, "cccc")
+    study = optuna.create_study()
+    for t in (stale, again, other):
+        study.add_trial(t)
+    assert best_trial(study).number == 2
+    assert [t.number for t in distinct_best(study.get_trials(), 5)] == [2, 1]
+
+
 def test_summarize_keeps_the_median_winner_verified_in_every_run():
     a, b, c = _trial(4, 9.8), _trial(7, 10.0), _trial(9, 10.2)
     runs = [_reply({"#4": 10.6, "#7": 10.1, "#9": 9.0, "cublas": 10.3}),

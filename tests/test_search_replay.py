@@ -190,7 +190,7 @@ def test_a_config_measured_on_other_code_is_measured_again(space, replay, tmp_pa
     """A resumed study after a template change: a config whose stored trial ran other code (its
     source hash differs from what the template renders now) is measured again, not skipped as a
     duplicate; one measured on the same code still is a duplicate."""
-    from tuner.search import _key_of, evaluated_trials, trial_params
+    from tuner.search import _key_of, current_ok, evaluated_trials, trial_params
 
     storage = f"sqlite:///{tmp_path}/s.db"
     study = tune(space, ["cute_sm80"], SHAPE, replay, trials=6, storage=storage, seed=0)
@@ -212,3 +212,6 @@ def test_a_config_measured_on_other_code_is_measured_again(space, replay, tmp_pa
     assert remeasured.user_attrs["status"] == "ok" and remeasured.user_attrs["source_hash"] != "0" * 16
     repeated = by_config[_key_of(same)]
     assert repeated.user_attrs["status"] == "duplicate" and repeated.user_attrs["duplicate_of"] == same.number
+    # the stale trial's time no longer ranks; the new measurement of the same config does
+    ranked = {t.number for t in current_ok(again.get_trials())}
+    assert old.number not in ranked and remeasured.number in ranked and same.number in ranked

@@ -23,7 +23,7 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.render import RenderError, render
-from tuner.search import compare_candidate
+from tuner.search import compare_candidate, current_ok
 from tuner.shapes import parse_shape
 
 VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
@@ -52,10 +52,10 @@ def stored_config(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
 
 def distinct_best(trials: Iterable[optuna.trial.FrozenTrial], k: int,
                   complete: Callable[[optuna.trial.FrozenTrial], dict] | None = None) -> list:
-    """The k fastest verified trials, one per distinct kernel (family, compile and run-time
+    """The k fastest verified trials (`current_ok`), one per distinct kernel (family, compile and run-time
     knobs). `complete` fills in knobs added since older studies were stored, so that the same
     kernel stored with and without a since-added default counts once."""
-    ok = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("status") == "ok"]
+    ok = current_ok(trials)
     seen, out = set(), []
     for t in sorted(ok, key=lambda t: t.value):
         key = t.user_attrs["family"] + json.dumps(complete(t) if complete else stored_config(t), sort_keys=True)

@@ -14,7 +14,7 @@ import optuna
 
 import tuner
 from tuner.errors import UserError
-from tuner.search import NOT_MEASURED
+from tuner.search import NOT_MEASURED, current_ok
 from tuner.shapes import parse_shape
 from tuner.target import Target
 
@@ -34,16 +34,13 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    done = [t for t in study.get_trials(deepcopy=False)
-            if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("status") == "ok"]
+    done = current_ok(study.get_trials(deepcopy=False))
     return min(done, key=lambda t: t.value) if done else None
 
 
 def best_per_family(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:
     out: dict[str, optuna.trial.FrozenTrial] = {}
-    for t in study.get_trials(deepcopy=False):
-        if t.state != optuna.trial.TrialState.COMPLETE or t.user_attrs.get("status") != "ok":
-            continue
+    for t in current_ok(study.get_trials(deepcopy=False)):
         fam = t.user_attrs["family"]
         if fam not in out or t.value < out[fam].value:
             out[fam] = t

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,6 +338,32 @@ def random_valid_config(families: list[Family], shape: Shape, target, taken: set
         if config_key(fam.name, config) not in taken and not fam.violations(full, shape, target):
             return fam, config
     return None
+
+
+def current_ok(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """The verified trials whose time still describes their kernel's code. A resumed study measures
+    a config again when the template now renders other code for it (`tune`); the older trial of
+    that config keeps its old time, so it must not rank: where the same kernel (family and stored
+    config) has trials with different source hashes, only those with the latest one count."""
+    finished = [t for t in trials if t.state.is_finished() and "config" in t.user_attrs]
+
+    def key(t: optuna.trial.FrozenTrial) -> str:
+        return t.user_attrs.get("family", "") + json.dumps(t.user_attrs["config"] | t.user_attrs.get("variant", {}),
+                                                           sort_keys=True)
+
+    latest: dict[str, tuple[Any, str]] = {}
+    for t in finished:
+        h = t.user_attrs.get("source_hash")
+        when = t.datetime_complete or t.datetime_start
+        if h and when and (key(t) not in latest or when > latest[key(t)][0]):
+            latest[key(t)] = (when, h)
+
+    def is_current(t: optuna.trial.FrozenTrial) -> bool:
+        h = t.user_attrs.get("source_hash")
+        return not h or key(t) not in latest or latest[key(t)][1] == h
+
+    return [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE
+            and t.user_attrs.get("status") == "ok" and is_current(t)]
 
 
 def evaluated_trials(study: optuna.Study) -> int:

@@ -252,8 +252,11 @@ def main() -> None:
                     changed = fam.complete(full | parse_overrides(knobs))
                 except UserError as e:
                     raise SystemExit(f"--variant {text!r}: {e}") from None
-                if changed == full or fam.violations(changed, shape, target):
-                    continue  # the best already has these values, or they cannot run this shape
+                why = (["the best already has these values"] if changed == full
+                       else fam.violations(changed, shape, target))
+                if why:  # said, not dropped silently: a missing row reads as a lost result
+                    print(f"{shape} {fam_name}+{text}: skipped: {'; '.join(why)}", flush=True)
+                    continue
                 future = pool.submit(render(fam, changed, target.arch), target.arch, fam.artifact)
                 builds[f"{fam_name}+{text}"] = (fam_name, future, changed, False)
                 twin_sources.append(f"{fam_name}+{text}")

@@ -724,8 +724,12 @@ def test_bench_families_build_only_fills_the_cache_without_a_gpu(tmp_path):
     assert len(lines) == 2 and all("built in" in line and "0 spill bytes" in line for line in lines), lines
     assert [line.partition(":")[0] for line in lines] == ["256x256x256 wmma+PAD=0", "256x256x256 wmma"]
     assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
-    again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    # a variant that changes nothing or cannot run is said to be skipped (a missing row reads as a lost result)
+    again = subprocess.run(cmd + ["--variant", "PAD=8", "--variant", "BM=16"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)
     assert again.stdout.count(": cached,") == 2  # the GPU run that carries the cache compiles nothing
+    assert "wmma+PAD=8: skipped: the best already has these values" in again.stdout
+    assert "wmma+BM=16: skipped: warp tile rows must be a multiple of 16" in again.stdout
     # --trials N: the first N seeds of a fresh (tagged) study, before its storage exists; the
     # family's default config is the stored best above, so seed 0 is a cache hit
     fresh = ["--storage", f"sqlite:///{tmp_path / 'fresh.db'}"]

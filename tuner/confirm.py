@@ -23,7 +23,7 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.render import RenderError, render
-from tuner.search import compare_candidate, current_ok
+from tuner.search import compare_candidate, current_ok, stored_config
 from tuner.shapes import parse_shape
 
 VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
@@ -43,11 +43,6 @@ class PairedRuns:
 
     def ratios(self, vendor: str) -> list[float]:
         return [v[vendor] / t for t, v in zip(self.times, self.vendors, strict=True) if t and v.get(vendor)]
-
-
-def stored_config(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
-    """A trial's kernel as stored: compile-time config and run-time variant."""
-    return t.user_attrs["config"] | t.user_attrs.get("variant", {})
 
 
 def distinct_best(trials: Iterable[optuna.trial.FrozenTrial], k: int,

@@ -340,30 +340,27 @@ def random_valid_config(families: list[Family], shape: Shape, target, taken: set
     return None
 
 
+def stored_config(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    """A trial's kernel as stored: compile-time config and run-time variant."""
+    return t.user_attrs["config"] | t.user_attrs.get("variant", {})
+
+
 def current_ok(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
     """The verified trials whose time still describes their kernel's code. A resumed study measures
     a config again when the template now renders other code for it (`tune`); the older trial of
     that config keeps its old time, so it must not rank: where the same kernel (family and stored
     config) has trials with different source hashes, only those with the latest one count."""
-    finished = [t for t in trials if t.state.is_finished() and "config" in t.user_attrs]
-
-    def key(t: optuna.trial.FrozenTrial) -> str:
-        return t.user_attrs.get("family", "") + json.dumps(t.user_attrs["config"] | t.user_attrs.get("variant", {}),
-                                                           sort_keys=True)
-
-    latest: dict[str, tuple[Any, str]] = {}
-    for t in finished:
-        h = t.user_attrs.get("source_hash")
-        when = t.datetime_complete or t.datetime_start
-        if h and when and (key(t) not in latest or when > latest[key(t)][0]):
-            latest[key(t)] = (when, h)
-
-    def is_current(t: optuna.trial.FrozenTrial) -> bool:
-        h = t.user_attrs.get("source_hash")
-        return not h or key(t) not in latest or latest[key(t)][1] == h
-
-    return [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE
-            and t.user_attrs.get("status") == "ok" and is_current(t)]
+    finished = [(t, config_key(t.user_attrs.get("family", ""), stored_config(t))) for t in trials
+                if t.state.is_finished() and "config" in t.user_attrs]
+    latest: dict[str, tuple[Any, str]] = {}  # kernel -> (when, source hash) of its latest trial
+    for t, key in finished:
+        h, when = t.user_attrs.get("source_hash"), t.datetime_complete or t.datetime_start
+        if h and when and (key not in latest or when > latest[key][0]):
+            latest[key] = (when, h)
+    return [t for t, key in finished if t.state == optuna.trial.TrialState.COMPLETE
+            and t.user_attrs.get("status") == "ok"
+            and (not t.user_attrs.get("source_hash") or key not in latest
+                 or latest[key][1] == t.user_attrs["source_hash"])]
 
 
 def evaluated_trials(study: optuna.Study) -> int:

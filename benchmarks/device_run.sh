@@ -58,9 +58,10 @@ for step in "$@"; do
                ${BENCH_STORAGE:+--storage $BENCH_STORAGE} ${BENCH_SEED:+--seed $BENCH_SEED} ${BENCH_TAG:+--study-tag $BENCH_TAG} ${BENCH_TAGGED_ONLY:+--tagged-only} \
                ${BENCH_TOP:+--top $BENCH_TOP} ${BENCH_SELECT_RUNS:+--select-runs $BENCH_SELECT_RUNS} ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_PDL:+--pdl} \
                "${VARIANT_ARGS[@]}" 2>&1 | tee "$OUT/bench10_$n.log" | tail -40 ;;
-    pdlprobe) # do cuBLAS / cuBLASLt / torch launch back-to-back GEMMs with PDL? (benchmarks/pdl_probe.py)
-              timeout "$(cap 200)" python3 benchmarks/pdl_probe.py --shape 16384x128x4096 --config "$BEST_16384x128x4096" \
-                2>&1 | tee "$OUT/pdl_probe.log" | tail -12 ;;
+    pdlprobe) # do cuBLAS / cuBLASLt / torch launch back-to-back GEMMs with PDL, and which kernels? (benchmarks/pdl_probe.py)
+              # PDL_SHAPE, PDL_CONFIG (JSON); appends to pdl_probe.log
+              timeout "$(cap 200)" python3 benchmarks/pdl_probe.py --shape "${PDL_SHAPE:-16384x128x4096}" \
+                --config "${PDL_CONFIG:-$BEST_16384x128x4096}" 2>&1 | tee -a "$OUT/pdl_probe.log" | tail -12 ;;
     ksweep) # fixed cost or bandwidth: each KSWEEP_SHAPES shape's stored best and the vendors over K (benchmarks/k_sweep.py)
             # KSWEEP_VARIANTS='SCHEDULER=persistent;...' applies to every shape
             VARIANT_ARGS=(); IFS=';' read -ra _variants <<< "${KSWEEP_VARIANTS:-}"

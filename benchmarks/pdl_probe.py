@@ -109,7 +109,7 @@ def main() -> None:
             stream.synchronize()
             graph = capture_launches(launch, buf, stream, 2)
         kernels, edges = describe(graph.graph)
-        short = ", ".join(k[:60] for k in kernels)
+        short = ", ".join(k[:90] for k in kernels)
         print(f"| {name} | {short} | {', '.join(edges) or '-'} | "
               f"{'yes' if any('programmatic' in e for e in edges) else 'no'} |")
 

@@ -215,3 +215,23 @@ def test_a_config_measured_on_other_code_is_measured_again(space, replay, tmp_pa
     # the stale trial's time no longer ranks; the new measurement of the same config does
     ranked = {t.number for t in current_ok(again.get_trials())}
     assert old.number not in ranked and remeasured.number in ranked and same.number in ranked
+
+
+def test_progress_best_drops_a_time_measured_on_older_code(space, replay, tmp_path):
+    """The live progress line shows the study's best that still describes its code: once a resumed
+    study measures a stale fast trial's config again, its old time is no longer the best shown."""
+    from tuner.search import evaluated_trials, trial_params
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    study = tune(space, ["cute_sm80"], SHAPE, replay, trials=4, storage=storage, seed=0)
+    stale = next(t for t in study.get_trials() if t.user_attrs.get("status") == "ok")
+    with sqlite3.connect(tmp_path / "s.db") as db:  # as if measured very fast on an older template
+        db.execute("UPDATE trial_user_attributes SET value_json = ? WHERE trial_id = ? AND key = 'source_hash'",
+                   (json.dumps("0" * 16), stale._trial_id))
+        db.execute("UPDATE trial_values SET value = 0.001 WHERE trial_id = ?", (stale._trial_id,))
+    study.enqueue_trial(trial_params(space.family("cute_sm80"), stale.user_attrs["config"]))
+    shown: list[float | None] = []
+    tune(space, ["cute_sm80"], SHAPE, replay, trials=evaluated_trials(study) + 2, storage=storage, seed=0,
+         on_progress=lambda progress, rec: shown.append(progress.best_us))
+    # the stale config is the first trial asked: from then on its old time is not the best shown
+    assert shown and all(us is not None and us > 0.001 for us in shown)

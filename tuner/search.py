@@ -363,6 +363,15 @@ def current_ok(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.
                  or latest[key][1] == t.user_attrs["source_hash"])]
 
 
+def _current_best(study: optuna.Study) -> tuple[float | None, float | None]:
+    """(time in us, TFLOP/s) of the study's best trial that still describes its code (`current_ok`)."""
+    ok = current_ok(study.get_trials(deepcopy=False))
+    if not ok:
+        return None, None
+    best = min(ok, key=lambda t: t.value)
+    return best.value, best.user_attrs.get("tflops")
+
+
 def evaluated_trials(study: optuna.Study) -> int:
     """Trials that count toward --trials: everything evaluated, not configs rejected before nvcc."""
     return sum(1 for t in study.get_trials(deepcopy=False)
@@ -518,10 +527,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                 study.enqueue_trial(trial_params(fam, cfg), skip_if_exists=True)
 
     progress = Progress(done=evaluated_trials(study))
-    done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
-    if done:
-        b = min(done, key=lambda t: t.value)
-        progress.best_us, progress.best_tflops = b.value, b.user_attrs.get("tflops")
+    progress.best_us, progress.best_tflops = _current_best(study)
     # Ask ahead enough to keep every nvcc job busy while the GPU measures.
     lookahead = lookahead or (2 * pool.jobs if pool else 8)
     deadline = time.perf_counter() + timeout_s if timeout_s else None
@@ -637,8 +643,11 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                     progress.done = evaluated_trials(study)
                 since_best += 1
                 if rec.status == "ok" and rec.time_us is not None:
-                    if progress.best_us is None or rec.time_us < progress.best_us:
-                        progress.best_us, progress.best_tflops = rec.time_us, rec.tflops
+                    # The study's best, not a running min: a measurement of a config again after a
+                    # template change retires its older time (and other workers add trials too).
+                    before = progress.best_us
+                    progress.best_us, progress.best_tflops = _current_best(study)
+                    if progress.best_us is not None and (before is None or progress.best_us < before):
                         since_best = 0
                 else:
                     progress.failed += 1

@@ -94,6 +94,27 @@ def test_cute_sm90_our_kernel_body_renders_only_when_asked_and_where_it_applies(
         assert any("our kernel body" in v for v in violations), (other, violations)
 
 
+def test_cute_sm90_wider_epilogue_subtiles_render_only_when_asked(space, h200):
+    """EPI_TILE_N=32 leaves CUTLASS's EpilogueTileAuto (and so every stored study's code) as it was;
+    64/128 pass an explicit subtile of the schedule's epilogue rows, count its two shared-memory
+    buffers against the budget, and must divide TILE_N on the TMA epilogue."""
+    fam = space.family("cute_sm90")
+    plain = render(fam, fam.complete({}), "sm_90a")
+    assert "collective::EpilogueTileAuto, Accum" in plain and "EPI_TILE_N" not in plain
+    coop = render(fam, fam.complete({"EPI_TILE_N": 64}), "sm_90a")
+    assert "using EpilogueTile = Shape<_128, Int<64>>;" in coop and "    EpilogueTile, Accum" in coop
+    ping = render(fam, fam.complete({"SCHEDULE": "pingpong", "TILE_N": 128, "EPI_TILE_N": 128}), "sm_90a")
+    assert "using EpilogueTile = Shape<_64, Int<128>>;" in ping
+    shape = parse_shape("8192x512x2048")
+    base = {"TILE_M": 128, "TILE_N": 256, "STAGES": 4, "CLUSTER_M": 1, "CLUSTER_N": 2}
+    assert fam.violations(fam.complete(base | {"EPI_TILE_N": 64}), shape, h200) == []
+    # 4 stages of 128x256x64 (192 KB) leave no room for two 128x128 buffers (64 KB); 3 stages do
+    assert any("shared memory" in v for v in fam.violations(fam.complete(base | {"EPI_TILE_N": 128}), shape, h200))
+    assert fam.violations(fam.complete(base | {"EPI_TILE_N": 128, "STAGES": 3}), shape, h200) == []
+    for bad in ({"TILE_N": 96, "EPI_TILE_N": 64}, {"EPILOGUE": "nosmem", "EPI_TILE_N": 64}):
+        assert any("epilogue subtile" in v for v in fam.violations(fam.complete(base | bad), shape, h200)), bad
+
+
 def test_cute_sm90_four_cta_clusters_ask_the_driver_how_many_fit(space):
     """CUTLASS's persistent grid guesses 18 SMs per GPC: exact for clusters of 1 and 2 CTAs, 116
     CTAs (29 clusters) for clusters of 4 on 132 SMs. 4-CTA builds pass the driver's count

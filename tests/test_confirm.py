@@ -54,6 +54,26 @@ def test_a_time_measured_on_older_code_does_not_rank():
     assert [t.number for t in distinct_best(study.get_trials(), 5)] == [2, 1]
 
 
+def test_times_from_another_gpu_model_do_not_rank_with_this_ones():
+    """A study resumed on another card: its best and confirm's candidates come from the trials measured
+    on the card it now runs on (the study's last backend); with none there yet, from all of them."""
+    h200 = [_trial(0, 5.0), _trial(1, 6.0)]
+    h100 = [_trial(2, 9.0), _trial(3, 8.0)]
+    for t in h200:
+        t.user_attrs["gpu"] = "gpu:NVIDIA H200"
+    for i, t in enumerate(h100):
+        t.user_attrs["gpu"] = f"gpu:NVIDIA H100 80GB HBM3#{i}"  # two GPUs of one host: one model
+    study = optuna.create_study()
+    for t in h200 + h100:
+        study.add_trial(t)
+    study.set_user_attr("backend", "gpu:NVIDIA H100 80GB HBM3#1")
+    assert best_trial(study).number == 3
+    assert [t.number for t in distinct_best(study.get_trials(), 5, gpu="NVIDIA H100 80GB HBM3")] == [3, 2]
+    assert [t.number for t in distinct_best(study.get_trials(), 5, gpu="NVIDIA A100")] == [0, 1, 3, 2]
+    study.set_user_attr("backend", "replay:measurements.jsonl")  # replayed: no model to prefer
+    assert best_trial(study).number == 0
+
+
 def test_summarize_keeps_the_median_winner_verified_in_every_run():
     a, b, c = _trial(4, 9.8), _trial(7, 10.0), _trial(9, 10.2)
     runs = [_reply({"#4": 10.6, "#7": 10.1, "#9": 9.0, "cublas": 10.3}),

@@ -235,3 +235,23 @@ def test_progress_best_drops_a_time_measured_on_older_code(space, replay, tmp_pa
          on_progress=lambda progress, rec: shown.append(progress.best_us))
     # the stale config is the first trial asked: from then on its old time is not the best shown
     assert shown and all(us is not None and us > 0.001 for us in shown)
+
+
+def test_a_study_resumed_on_another_gpu_model_measures_again_and_ranks_its_own(space, replay, tmp_path):
+    """A config measured on another GPU model is measured again, not taken as a duplicate (picks do not
+    carry between cards); the study's best is then taken from this card's trials."""
+    from tuner.export import best_trial
+    from tuner.search import evaluated_trials, trial_params
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    replay.name = "gpu:Card A"  # as if measured on a GPU of model "Card A"
+    study = tune(space, ["cute_sm80"], SHAPE, replay, trials=4, storage=storage, seed=0)
+    first = next(t for t in study.get_trials() if t.user_attrs.get("status") == "ok")
+    assert first.user_attrs["gpu"] == "gpu:Card A"
+    before = len(study.get_trials())
+    study.enqueue_trial(trial_params(space.family("cute_sm80"), first.user_attrs["config"]))
+    replay.name = "gpu:Card B#0"
+    again = tune(space, ["cute_sm80"], SHAPE, replay, trials=evaluated_trials(study) + 1, storage=storage, seed=0)
+    new = again.get_trials()[before]
+    assert new.user_attrs["status"] == "ok" and new.user_attrs["gpu"] == "gpu:Card B#0"
+    assert best_trial(again).number == new.number  # Card A's times do not rank on Card B

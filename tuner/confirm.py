@@ -23,7 +23,7 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.render import RenderError, render
-from tuner.search import compare_candidate, current_ok, stored_config
+from tuner.search import compare_candidate, current_ok, gpu_model, stored_config
 from tuner.shapes import parse_shape
 
 VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
@@ -46,11 +46,12 @@ class PairedRuns:
 
 
 def distinct_best(trials: Iterable[optuna.trial.FrozenTrial], k: int,
-                  complete: Callable[[optuna.trial.FrozenTrial], dict] | None = None) -> list:
-    """The k fastest verified trials (`current_ok`), one per distinct kernel (family, compile and run-time
-    knobs). `complete` fills in knobs added since older studies were stored, so that the same
-    kernel stored with and without a since-added default counts once."""
-    ok = current_ok(trials)
+                  complete: Callable[[optuna.trial.FrozenTrial], dict] | None = None,
+                  gpu: str | None = None) -> list:
+    """The k fastest verified trials (`current_ok`, on GPU model `gpu` where it has any), one per
+    distinct kernel (family, compile and run-time knobs). `complete` fills in knobs added since older
+    studies were stored, so that the same kernel stored with and without a since-added default counts once."""
+    ok = current_ok(trials, gpu)
     seen, out = set(), []
     for t in sorted(ok, key=lambda t: t.value):
         key = t.user_attrs["family"] + json.dumps(complete(t) if complete else stored_config(t), sort_keys=True)
@@ -141,7 +142,7 @@ def confirm(space, study: optuna.Study, backend, pool, *, top: int = 3, runs: in
         except UserError:  # a family the space no longer has: compared as stored
             return stored_config(t)
 
-    trials = distinct_best(study.get_trials(deepcopy=False), top, complete)
+    trials = distinct_best(study.get_trials(deepcopy=False), top, complete, gpu_model(getattr(backend, "name", None)))
     if not trials:
         return None
     shape = parse_shape(study.user_attrs["shape"])

@@ -14,7 +14,7 @@ import optuna
 
 import tuner
 from tuner.errors import UserError
-from tuner.search import NOT_MEASURED, current_ok
+from tuner.search import NOT_MEASURED, current_ok, gpu_model
 from tuner.shapes import parse_shape
 from tuner.target import Target
 
@@ -33,14 +33,19 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     return rows
 
 
+def study_gpu(study: optuna.Study) -> str | None:
+    """The GPU model the study last ran on: its trials measured there rank (`current_ok`)."""
+    return gpu_model(study.user_attrs.get("backend"))
+
+
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    done = current_ok(study.get_trials(deepcopy=False))
+    done = current_ok(study.get_trials(deepcopy=False), study_gpu(study))
     return min(done, key=lambda t: t.value) if done else None
 
 
 def best_per_family(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:
     out: dict[str, optuna.trial.FrozenTrial] = {}
-    for t in current_ok(study.get_trials(deepcopy=False)):
+    for t in current_ok(study.get_trials(deepcopy=False), study_gpu(study)):
         fam = t.user_attrs["family"]
         if fam not in out or t.value < out[fam].value:
             out[fam] = t

@@ -345,11 +345,22 @@ def stored_config(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
     return t.user_attrs["config"] | t.user_attrs.get("variant", {})
 
 
-def current_ok(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+def gpu_model(backend_name: str | None) -> str | None:
+    """The GPU model a measurement ran on, from a backend name ('gpu:NVIDIA H200#1' -> 'NVIDIA H200');
+    None for replayed or unknown measurements."""
+    if not backend_name or not backend_name.startswith("gpu:"):
+        return None
+    return backend_name[len("gpu:"):].split("#")[0]
+
+
+def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = None) -> list[optuna.trial.FrozenTrial]:
     """The verified trials whose time still describes their kernel's code. A resumed study measures
     a config again when the template now renders other code for it (`tune`); the older trial of
     that config keeps its old time, so it must not rank: where the same kernel (family and stored
-    config) has trials with different source hashes, only those with the latest one count."""
+    config) has trials with different source hashes, only those with the latest one count.
+    With `gpu` (a model, `gpu_model`): only the trials measured on that model, where there are any.
+    Picks do not carry between cards (session 19: an H100 study's best ran 5% behind on an H200, and
+    the other way round), so times from two models must not be ranked together."""
     finished = [(t, config_key(t.user_attrs.get("family", ""), stored_config(t))) for t in trials
                 if t.state.is_finished() and "config" in t.user_attrs]
     latest: dict[str, tuple[Any, str]] = {}  # kernel -> (when, source hash) of its latest trial
@@ -357,15 +368,18 @@ def current_ok(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.
         h, when = t.user_attrs.get("source_hash"), t.datetime_complete or t.datetime_start
         if h and when and (key not in latest or when > latest[key][0]):
             latest[key] = (when, h)
-    return [t for t, key in finished if t.state == optuna.trial.TrialState.COMPLETE
-            and t.user_attrs.get("status") == "ok"
-            and (not t.user_attrs.get("source_hash") or key not in latest
-                 or latest[key][1] == t.user_attrs["source_hash"])]
+    ok = [t for t, key in finished if t.state == optuna.trial.TrialState.COMPLETE
+          and t.user_attrs.get("status") == "ok"
+          and (not t.user_attrs.get("source_hash") or key not in latest
+               or latest[key][1] == t.user_attrs["source_hash"])]
+    here = [t for t in ok if gpu and gpu_model(t.user_attrs.get("gpu")) == gpu]
+    return here or ok
 
 
-def _current_best(study: optuna.Study) -> tuple[float | None, float | None]:
-    """(time in us, TFLOP/s) of the study's best trial that still describes its code (`current_ok`)."""
-    ok = current_ok(study.get_trials(deepcopy=False))
+def _current_best(study: optuna.Study, gpu: str | None) -> tuple[float | None, float | None]:
+    """(time in us, TFLOP/s) of the study's best trial that still describes its code on this GPU
+    model (`current_ok`)."""
+    ok = current_ok(study.get_trials(deepcopy=False), gpu)
     if not ok:
         return None, None
     best = min(ok, key=lambda t: t.value)
@@ -526,8 +540,9 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
             for cfg in seed_configs(fam, shape):
                 study.enqueue_trial(trial_params(fam, cfg), skip_if_exists=True)
 
+    here = gpu_model(getattr(backend, "name", None))  # None for replayed measurements
     progress = Progress(done=evaluated_trials(study))
-    progress.best_us, progress.best_tflops = _current_best(study)
+    progress.best_us, progress.best_tflops = _current_best(study, here)
     # Ask ahead enough to keep every nvcc job busy while the GPU measures.
     lookahead = lookahead or (2 * pool.jobs if pool else 8)
     deadline = time.perf_counter() + timeout_s if timeout_s else None
@@ -540,11 +555,17 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
 
     current_hashes: dict[str, str | None] = {}
 
-    def measured_other_source(prev: optuna.trial.FrozenTrial, fam: Family, config: dict[str, Any]) -> bool:
+    def measured_elsewhere(prev: optuna.trial.FrozenTrial, fam: Family, config: dict[str, Any]) -> bool:
         """True if `prev` ran code that the template no longer renders for this config (a resumed
-        study after a template fix: session 17's wide tiles), so its time says nothing of the code now."""
+        study after a template fix: session 17's wide tiles), or ran on another GPU model (a study
+        resumed on another card), so its time says nothing of this code on this GPU."""
+        if not prev.state.is_finished():
+            return False
+        there = gpu_model(prev.user_attrs.get("gpu"))
+        if here and there and there != here:
+            return True
         stored = prev.user_attrs.get("source_hash")
-        if not stored or not prev.state.is_finished():
+        if not stored:
             return False
         key = config_key(fam.name, config)
         if key not in current_hashes:
@@ -596,8 +617,8 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                                 else:
                                     study.enqueue_trial(trial_params(*pick))
                             prev = claims.get(key, exclude=trial.number)
-                            if prev is not None and measured_other_source(prev, fam, config):
-                                prev = None  # measured on another template's code: measure this one
+                            if prev is not None and measured_elsewhere(prev, fam, config):
+                                prev = None  # measured on other code or another GPU: measure this one
                             if prev is not None:
                                 # Measured, rejected or being measured already: never compile or time it twice.
                                 trial.set_user_attr("status", "duplicate")
@@ -646,7 +667,7 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend, *, trials
                     # The study's best, not a running min: a measurement of a config again after a
                     # template change retires its older time (and other workers add trials too).
                     before = progress.best_us
-                    progress.best_us, progress.best_tflops = _current_best(study)
+                    progress.best_us, progress.best_tflops = _current_best(study, here)
                     if progress.best_us is not None and (before is None or progress.best_us < before):
                         since_best = 0
                 else:

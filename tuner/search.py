@@ -359,8 +359,8 @@ def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = Non
     that config keeps its old time, so it must not rank: where the same kernel (family and stored
     config) has trials with different source hashes, only those with the latest one count.
     With `gpu` (a model, `gpu_model`): only the trials measured on that model, where there are any.
-    Picks do not carry between cards (session 19: an H100 study's best ran 5% behind on an H200, and
-    the other way round), so times from two models must not be ranked together."""
+    Picks do not carry between cards (sessions 18-19: an H100 study's best ran 5% behind on an H200, and
+    an H200 study's 8% behind on an H100), so times from two models must not be ranked together."""
     finished = [(t, config_key(t.user_attrs.get("family", ""), stored_config(t))) for t in trials
                 if t.state.is_finished() and "config" in t.user_attrs]
     latest: dict[str, tuple[Any, str]] = {}  # kernel -> (when, source hash) of its latest trial

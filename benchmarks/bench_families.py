@@ -40,7 +40,7 @@ from tuner.compile import CompilePool
 from tuner.confirm import VENDORS, PairedRuns, distinct_best, stored_config
 from tuner.export import load_studies
 from tuner.render import render
-from tuner.search import compare_candidate, prepare, seed_configs, study_name, tune
+from tuner.search import compare_candidate, gpu_model, prepare, seed_configs, study_name, tune
 from tuner.shapes import parse_shape
 from tuner.space import UserError, load_space
 from tuner.target import target_for_arch
@@ -57,16 +57,18 @@ def best_of_family(storage: str, shape: str, family: str):
     return top[0] if top else None
 
 
-def top_of_family(storage: str, shape: str, family: str, k: int, complete=None, study: str | None = None) -> list:
+def top_of_family(storage: str, shape: str, family: str, k: int, complete=None, study: str | None = None,
+                  gpu: str | None = None) -> list:
     """The `k` best verified trials of `family` for `shape` over every study in the storage
-    (or only the study named `study`), one per distinct config (compile and run-time knobs).
+    (or only the study named `study`), one per distinct config (compile and run-time knobs);
+    with `gpu` (a model) only those measured on it, where there are any (`current_ok`).
     `complete` (the family's `complete_stored`) fills in knobs that older studies did not have,
     so that the same kernel stored with and without a since-added default counts once."""
     trials = []
     for st in load_studies(storage):
         if st.user_attrs.get("shape") == shape and study in (None, st.study_name):
             trials += [t for t in st.get_trials(deepcopy=False) if t.user_attrs.get("family") == family]
-    return distinct_best(trials, k, (lambda t: complete(stored_config(t))) if complete else None)
+    return distinct_best(trials, k, (lambda t: complete(stored_config(t))) if complete else None, gpu)
 
 
 def parse_overrides(text: str) -> dict:
@@ -229,7 +231,8 @@ def main() -> None:
                      timeout_s=args.time_per_family / (3 if fam_name == "wmma" else 1))
             try:
                 top = top_of_family(args.storage, str(shape), fam_name, max(args.top, 1), fam.complete_stored,
-                                    study=name if args.tagged_only else None)
+                                    study=name if args.tagged_only else None,
+                                    gpu=gpu_model(backend.name) if backend else None)
             except UserError:
                 if not (args.build_only and args.trials > 0):
                     raise

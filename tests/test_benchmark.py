@@ -700,6 +700,26 @@ def test_bench_families_top_k_from_one_study_only(tmp_path):
     assert bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, study="missing") == []
 
 
+def test_bench_families_top_k_prefers_the_gpu_model_it_runs_on(tmp_path):
+    """Over studies from two cards, the bench takes its top K from the trials measured on the card
+    it runs on, where there are any; picks do not carry between H100 and H200 (NOTES.md, session 19)."""
+    import optuna
+
+    bf = _bench_families()
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    for name, value, stages, gpu in (("h200", 37.6, 8, "gpu:NVIDIA H200"), ("h100", 39.9, 6, "gpu:NVIDIA H100#0"),
+                                     ("h100", 39.0, 4, "gpu:NVIDIA H100#1")):
+        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True)
+        study.set_user_attr("shape", "16384x128x4096")
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
+            "config": {"TILE_N": 128, "STAGES": stages}, "variant": {}, "status": "ok", "family": "cute_sm90",
+            "gpu": gpu}))
+    on_h100 = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, gpu="NVIDIA H100")
+    assert [t.value for t in on_h100] == [39.0, 39.9]
+    on_other = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, gpu="NVIDIA A100")
+    assert [t.value for t in on_other] == [37.6, 39.0]  # nothing measured there: all of them
+
+
 @pytest.mark.nvcc
 def test_bench_families_build_only_fills_the_cache_without_a_gpu(tmp_path):
     """--build-only compiles the stored best and each variant into HGEMM_TUNE_CACHE and stops

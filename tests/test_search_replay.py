@@ -255,3 +255,8 @@ def test_a_study_resumed_on_another_gpu_model_measures_again_and_ranks_its_own(s
     new = again.get_trials()[before]
     assert new.user_attrs["status"] == "ok" and new.user_attrs["gpu"] == "gpu:Card B#0"
     assert best_trial(again).number == new.number  # Card A's times do not rank on Card B
+    from tuner.export import study_stats
+
+    card_a = sum(1 for t in again.get_trials() if t.user_attrs.get("status") == "ok"
+                 and t.user_attrs.get("gpu") == "gpu:Card A")
+    assert card_a >= 1 and study_stats(again)["other_gpu"] == card_a  # the summary says so

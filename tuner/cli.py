@@ -122,7 +122,9 @@ def _summary(study, shape) -> Table:
                      f"failures: {stats['failures'] or 'none'}; median cold compile "
                      f"{_fmt(stats['compile_s_cold_median'], '.1f')} s"
                      + (f"; {stats['not_recorded']} not recorded in the replay file (not measured)"
-                        if stats["not_recorded"] else ""))
+                        if stats["not_recorded"] else "")
+                     + (f"; {stats['other_gpu']} verified trials measured on another GPU model are not ranked"
+                        if stats["other_gpu"] else ""))
     return table
 
 

@@ -240,7 +240,7 @@ def test_progress_best_drops_a_time_measured_on_older_code(space, replay, tmp_pa
 def test_a_study_resumed_on_another_gpu_model_measures_again_and_ranks_its_own(space, replay, tmp_path):
     """A config measured on another GPU model is measured again, not taken as a duplicate (picks do not
     carry between cards); the study's best is then taken from this card's trials."""
-    from tuner.export import best_trial
+    from tuner.export import best_trial, study_stats
     from tuner.search import evaluated_trials, trial_params
 
     storage = f"sqlite:///{tmp_path}/s.db"
@@ -255,8 +255,6 @@ def test_a_study_resumed_on_another_gpu_model_measures_again_and_ranks_its_own(s
     new = again.get_trials()[before]
     assert new.user_attrs["status"] == "ok" and new.user_attrs["gpu"] == "gpu:Card B#0"
     assert best_trial(again).number == new.number  # Card A's times do not rank on Card B
-    from tuner.export import study_stats
-
     card_a = sum(1 for t in again.get_trials() if t.user_attrs.get("status") == "ok"
                  and t.user_attrs.get("gpu") == "gpu:Card A")
     assert card_a >= 1 and study_stats(again)["other_gpu"] == card_a  # the summary says so

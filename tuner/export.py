@@ -63,8 +63,7 @@ def study_stats(study: optuna.Study) -> dict[str, Any]:
             kind = r.get("kind") or r.get("status")
             failures[kind] = failures.get(kind, 0) + 1
     cublas = [r["cublas_us"] for r in measured if r.get("cublas_us")]
-    here = study_gpu(study)
-    models = {gpu_model(r.get("gpu")) for r in measured if r.get("status") == "ok"} - {None}
+    trials = study.get_trials(deepcopy=False)
     return {
         "trials": len(measured), "ok": sum(1 for r in measured if r.get("status") == "ok"),
         "invalid_rejected": sum(1 for r in rows if r.get("status") == "invalid"),
@@ -75,9 +74,8 @@ def study_stats(study: optuna.Study) -> dict[str, Any]:
         "compile_s_cold_median": statistics.median(cold) if cold else None,
         "compile_cached": len(cached),
         "cublas_us_median": statistics.median(cublas) if cublas else None,
-        # verified trials measured on another GPU model than the study's last run: not ranked (current_ok)
-        "other_gpu": sum(1 for r in measured if r.get("status") == "ok" and here in models
-                         and gpu_model(r.get("gpu")) not in (None, here)),
+        # verified trials that current_ok leaves out for the GPU model of the study's last run
+        "other_gpu": len(current_ok(trials)) - len(current_ok(trials, study_gpu(study))),
     }
 
 

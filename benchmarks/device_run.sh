@@ -124,7 +124,7 @@ for step in "$@"; do
     issue3) # issue 3's ten-shape table on this card: each shape's H200 study pick (s7; s13 at 64x8192x4096; s14 at
             # the other two skinny shapes) with the session 16/19 seeds as variants, BENCH_REPEATS runs (default 5).
             # Prebuild on the CPU machine with the same lines and --build-only --arch sm_90a (HGEMM_TUNE_CACHE).
-            bash benchmarks/issue3_table.sh "$OUT/issue3" "${BENCH_REPEATS:-5}" 2>&1 | tee "$OUT/issue3.log" | tail -40 ;;
+            timeout "$(cap ${ISSUE3_TIMEOUT:-560})" bash benchmarks/issue3_table.sh "$OUT/issue3" "${BENCH_REPEATS:-5}" 2>&1 | tee "$OUT/issue3.log" | tail -40 ;;
     doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
     broken) timeout "$(cap ${BROKEN_TIMEOUT:-300})" python3 -m tuner.cli --shape 1024x1024x1024 --trials 60 --families wmma,broken \
               --space tests/data/space_broken.yaml --seed 0 --storage sqlite:///runs/broken.db 2>&1 \

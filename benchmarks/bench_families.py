@@ -6,7 +6,8 @@ For each shape and family it tunes (or resumes) a short study, takes the best ve
 config, then verifies again and times all families' bests, cuBLAS, cuBLASLt's heuristic
 pick and cuBLASLt autotuned (fastest of its top 16 on the shape) interleaved in random
 order (CUDA-graph replays, median). Prints a markdown table with TFLOP/s and ratios, and
-writes it to DIR/bench_families.md. --trials 0 skips tuning and re-measures the stored bests.
+writes it to DIR/bench_families.md, and as data to DIR/bench_families.json. --trials 0 skips
+tuning and re-measures the stored bests.
 --pdl adds each library contender (best and variants) once more, launched with programmatic
 dependent launch: its prologue overlaps the tail of the launch before it in the graph.
 --variant [SHAPE:]KNOB=VALUE[,KNOB=VALUE] (repeatable) adds, for each shape (or only SHAPE), the
@@ -125,6 +126,23 @@ def table(rows: list[Row], target, runs: int = 1) -> str:
                      f"{us(r.median('cublaslt'))} | {us(r.median('cublaslt_auto'))} | {ratio(r, 'cublas')} | "
                      f"{ratio(r, 'cublaslt')} | {ratio(r, 'cublaslt_auto')} {spread}| {r.ok} | `{r.note}` |")
     return "\n".join(lines)
+
+
+def results(rows: list[Row], target, runs: int = 1) -> dict:
+    """The table as plain data (bench_families.json), for scripts that check it (issue3_check.py)."""
+    return {"gpu": target.name, "arch": target.arch, "runs": runs, "rows": [
+        {"shape": str(r.shape), "contender": r.name, "verified": r.ok, "us": r.median(),
+         "vendor_us": {v: r.median(v) for v in VENDORS}, "ratios": {v: r.ratios(v) for v in VENDORS},
+         "config": json.loads(r.note) if r.ok and r.note.startswith("{") else None,
+         "note": "" if r.ok else r.note} for r in rows]}
+
+
+def write_results(out: Path, rows: list[Row], target, runs: int) -> str:
+    """Write the table (bench_families.md) and its data (bench_families.json); return the table."""
+    text = table(rows, target, runs)
+    (out / "bench_families.md").write_text(text + "\n")
+    (out / "bench_families.json").write_text(json.dumps(results(rows, target, runs), indent=1) + "\n")
+    return text
 
 
 def select(backend, shape, candidates: dict, configs: dict, rows: list, runs: int = 1) -> None:
@@ -315,12 +333,10 @@ def main() -> None:
             if args.repeats > 1:  # the table shows medians; the log keeps every run's ratio
                 print(f"{shape} {name}: per-run vs cuBLAS " + ", ".join(f"{r:.3f}" for r in row.ratios("cublas")))
         rows += shape_rows.values()
-        (out / "bench_families.md").write_text(table(rows, target, args.repeats) + "\n")  # a cut-off run keeps its rows
+        write_results(out, rows, target, args.repeats)  # a cut-off run keeps its rows
     backend.close()
     pool.close()
-    text = table(rows, target, args.repeats)
-    (out / "bench_families.md").write_text(text + "\n")
-    print(text)
+    print(write_results(out, rows, target, args.repeats))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 

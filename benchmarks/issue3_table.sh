@@ -2,6 +2,7 @@
 # Issue 3's ten shapes in one call on one GPU: each shape's stored H200 study pick and the seeds found
 # since (NOTES.md, sessions 16 and 19) as variants, against cuBLAS and cuBLASLt in the same runs.
 #   bash benchmarks/issue3_table.sh OUT_DIR [REPEATS] [--build-only --arch sm_90a]
+# It ends with benchmarks/issue3_check.py: each shape's best verified contender against the issue's bar.
 # With --build-only (no GPU) it compiles every contender into HGEMM_TUNE_CACHE and stops.
 set -uo pipefail
 out=${1:?usage: issue3_table.sh OUT_DIR [REPEATS] [extra bench_families.py args]}
@@ -21,3 +22,5 @@ bench --out "$out/s7" --storage sqlite:///runs/issue3_s7.db \
 bench --out "$out/s13" --storage sqlite:///runs/issue3_s13.db --study-tag s13 --tagged-only --shapes 64x8192x4096 "$@"
 bench --out "$out/s14" --storage sqlite:///runs/issue3_s14.db --study-tag s14 --tagged-only \
   --shapes 128x16384x16384,16384x128x4096 "$@"
+# One line per shape against the issue's bars (exit 1 with the reasons where one is not met).
+[[ " $* " == *" --build-only "* ]] || python3 benchmarks/issue3_check.py "$out"

@@ -760,3 +760,49 @@ def test_bench_families_build_only_fills_the_cache_without_a_gpu(tmp_path):
     lines = seeds.stdout.splitlines()
     assert [line.partition(": ")[0] for line in lines] == ["256x256x256 wmma:seed0", "256x256x256 wmma:seed1"]
     assert ": cached," in lines[0] and ": built in" in lines[1]
+
+
+def test_issue3_check_reads_the_bench_json_and_holds_each_shape_to_its_bar(tmp_path):
+    """bench_families writes its rows as bench_families.json; issue3_check.py picks each shape's best
+    contender that verified in every run and holds it to the issue's bar (0.97 at the two big squares,
+    1.0 at M or N <= 256, none elsewhere), and fails a run on another card than the H200."""
+    import dataclasses
+
+    bf = _bench_families()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import issue3_check
+    finally:
+        sys.path.pop(0)
+    from tuner.shapes import parse_shape
+
+    def row(shape, name, ratios, ok=True):
+        vendors = [{"cublas": 10.0 * r, "cublaslt": 10.0 * r, "cublaslt_auto": 10.0} for r in ratios]
+        return bf.Row(parse_shape(shape), name, '{"TILE_M":128}' if ok else "max |err| 3.0 at (0, 5)", ok=ok,
+                      times=[10.0] * len(ratios), vendors=vendors)
+
+    rows = [row(s, "cute_sm90", [1.01, 1.02, 1.03]) for s in issue3_check.SHAPES]
+    h200 = dataclasses.replace(target_for_arch("sm_90a"), name="NVIDIA H200")
+    (tmp_path / "a").mkdir()
+    bf.write_results(tmp_path / "a", rows, h200, 3)
+    gpus, loaded = issue3_check.load([tmp_path])
+    assert gpus == {"NVIDIA H200"} and len(loaded) == 10 and loaded[0]["config"] == {"TILE_M": 128}
+    assert issue3_check.check(gpus, loaded)[1] == []
+
+    # a skinny shape at 0.99x misses its 1.0 bar; a faster variant that failed verification does not count
+    rows[7] = row("128x16384x16384", "cute_sm90", [0.98, 0.99, 1.00])
+    rows.append(row("128x16384x16384", "cute_sm90+fast", [1.2, 1.2, 1.2], ok=False))
+    # 1024^3 has no bar: 0.9x is reported, not failed; 8192^3 at 0.96 misses 0.97
+    rows[3] = row("1024x1024x1024", "cute_sm90", [0.9, 0.9, 0.9])
+    rows[1] = row("8192x8192x8192", "cute_sm90", [0.96, 0.96, 0.96])
+    (tmp_path / "b").mkdir()
+    bf.write_results(tmp_path / "b", rows[:9] + rows[10:], dataclasses.replace(h200, name="NVIDIA H100 80GB HBM3"), 3)
+    table, problems = issue3_check.check(*issue3_check.load([tmp_path / "b"]))
+    assert any("these runs are on NVIDIA H100" in p for p in problems)
+    assert any(p.startswith("128x16384x16384: 0.990x") for p in problems)
+    assert any(p.startswith("128x16384x16384: 1 contender(s) failed") for p in problems)
+    assert any(p.startswith("8192x8192x8192: 0.960x") for p in problems)
+    assert not any(p.startswith("1024x1024x1024") for p in problems)
+    assert "3000x5000x1000: not measured" in problems  # the rows written leave it out
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 128x16384x16384"))
+    assert "| cute_sm90 |" in line and "| 0.990 | 0.980-1.000 |" in line and line.endswith("| **no** |")

@@ -75,7 +75,7 @@ def check(gpus: set[str], rows: list[dict]) -> tuple[str, list[str]]:
         lines.append(f"| {shape} | {best['contender']} | {best['us']:.2f} | {tflops:.1f} | "
                      f"{ratio:.3f} | {min(rs['cublas']):.3f}-{max(rs['cublas']):.3f} | {lt} | "
                      f"{lt_auto} | {len(rs['cublas'])} | {len(here)} | {floor if floor else '-'} | "
-                     f"{'yes' if met else '**no**'} |")
+                     f"{'-' if floor is None else 'yes' if met else '**no**'} |")
     return "\n".join(lines), problems
 
 

@@ -806,3 +806,4 @@ def test_issue3_check_reads_the_bench_json_and_holds_each_shape_to_its_bar(tmp_p
     assert "3000x5000x1000: not measured" in problems  # the rows written leave it out
     line = next(ln for ln in table.splitlines() if ln.startswith("| 128x16384x16384"))
     assert "| cute_sm90 |" in line and "| 0.990 | 0.980-1.000 |" in line and line.endswith("| **no** |")
+    assert next(ln for ln in table.splitlines() if ln.startswith("| 1024x1024x1024")).endswith("| - | - |")

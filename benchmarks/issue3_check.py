@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench_families  # noqa: E402  (beside this script)
+
 from tuner.shapes import parse_shape  # noqa: E402
 
-SHAPES = ("4096x4096x8192", "8192x8192x8192", "16384x16384x16384", "1024x1024x1024", "256x4096x4096",
-          "64x8192x4096", "8192x512x2048", "128x16384x16384", "16384x128x4096", "3000x5000x1000")
+SHAPES = bench_families.SHAPES.split(",")  # the ten, as bench_families.py runs them by default
 
 
 def bar(shape: str) -> float | None:

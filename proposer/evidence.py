@@ -10,9 +10,10 @@ from typing import Any
 import optuna
 
 from tuner.errors import UserError
-from tuner.shapes import Shape
+from tuner.search import Status, StudyMeta, TrialRecord, load_studies
+from tuner.space import Shape
 
-# Trial kinds that mean "compiled, ran, and was wrong or crashed" (see tuner.verify / gpu_worker).
+# Trial kinds that mean "compiled, ran, and was wrong or crashed" (see tuner.measure.verify / worker).
 FAILURE_KINDS = ("wrong", "unwritten", "out_of_bounds", "accumulate", "fault", "hang", "impossible", "compile")
 
 
@@ -22,7 +23,7 @@ def _config(cfg: dict[str, Any]) -> str:
 
 def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: int = 6) -> list[str]:
     """Prompt sections (each a few lines) about `family`; empty when the storage holds nothing on it."""
-    from tuner.export import entry, load_studies
+    from tuner.results.export import entry
 
     try:
         studies = load_studies(storage)  # read only: a missing storage file is an error, never created
@@ -31,11 +32,16 @@ def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: 
     best: dict[str, dict[str, Any]] = {}
     errors: list[tuple[Any, str, dict[str, Any]]] = []
     for st in studies:
-        if family not in st.user_attrs.get("families", []) or st.user_attrs.get("accumulate", "fp32") != "fp32":
+        try:
+            meta = StudyMeta.of(st)
+        except UserError:
+            continue  # not a study of ours
+        if family not in meta.families or meta.accumulate != "fp32":
             continue  # another family, or fp16 accumulation (another problem)
         trials = [t for t in st.get_trials(deepcopy=False)
-                  if t.state.is_finished() and t.user_attrs.get("family") == family]
-        ok = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("status") == "ok"]
+                  if t.state.is_finished() and TrialRecord.of(t).family == family]
+        ok = [t for t in trials
+              if t.state == optuna.trial.TrialState.COMPLETE and TrialRecord.of(t).status == Status.OK]
         if ok:
             try:
                 e = entry(st, min(ok, key=lambda t: t.value))
@@ -44,9 +50,9 @@ def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: 
             if e["shape"] not in best or e["time_us"] < best[e["shape"]]["time_us"]:
                 best[e["shape"]] = e
         for t in trials:
-            a = t.user_attrs
-            if a.get("status") == "compile_error" or a.get("kind") in FAILURE_KINDS:
-                errors.append((t.datetime_complete, st.user_attrs.get("shape", "?"), a))
+            r = TrialRecord.of(t)
+            if r.status == Status.COMPILE_ERROR or r.kind in FAILURE_KINDS:
+                errors.append((t.datetime_complete, meta.shape, r))
     sections = []
     targets = [str(s) for s in shapes or []]
     rows = sorted(best.values(), key=lambda e: (e["shape"] not in targets, -e["roofline_fraction"]))[:limit]
@@ -70,8 +76,7 @@ def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: 
     if errors:
         errors.sort(key=lambda x: x[0].timestamp() if x[0] else 0.0, reverse=True)
         lines = ["Latest compile and verification errors of its configs:"]
-        for _, shape, a in errors[:3]:
-            lines.append(f"- {shape} {_config(a.get('config', {}))}: {a.get('status')}/{a.get('kind')}: "
-                         f"{(a.get('reason') or '')[:400]}")
+        for _, shape, r in errors[:3]:
+            lines.append(f"- {shape} {_config(r.config)}: {r.status}/{r.kind}: {(r.reason or '')[:400]}")
         sections.append("\n".join(lines))
     return sections

@@ -16,12 +16,11 @@ from typing import Any
 import yaml
 
 from proposer.edits import EditError, apply, parse_reply
-from proposer.validate import render_sandboxed, static_check
-from tuner.compile import CompilePool
+from proposer.validate import static_check
+from tuner.build import CompilePool, template_vars
+from tuner.build.sandbox import render_sandboxed
 from tuner.errors import UserError
-from tuner.render import template_vars
-from tuner.shapes import Shape, parse_shape
-from tuner.space import Family, Knob, Space
+from tuner.space import Family, Knob, Shape, Space, parse_shape
 
 SYSTEM = ("You improve CUDA fp16 GEMM kernel templates (Jinja2). Keep the extern \"C\" hgemm entry point and "
           "its arguments exactly, and keep every M, N, K tail correct. Reply with SEARCH/REPLACE blocks against "
@@ -233,7 +232,7 @@ def _changed(fam: Family, cfg: dict[str, Any]) -> str:
 def _verify(ctx: _Ctx, child: Family, configs: list[dict[str, Any]], pool: CompilePool) -> str | None:
     """The pipeline's full verification (exact, random, accumulate, NaN poison, guard bands; every
     run-time variant) of each validated config on every target shape and a tail shape."""
-    from tuner.search import finish, prepare
+    from tuner.search.compile_queue import finish, prepare
 
     for shape in [*ctx.shapes, TAIL_SHAPE]:
         for cfg in configs:
@@ -250,8 +249,7 @@ def _verify(ctx: _Ctx, child: Family, configs: list[dict[str, Any]], pool: Compi
 
 def _tune_against_parent(ctx: _Ctx, child: Family, new: dict[str, list[Any]], template: str, pool: CompilePool,
                          metrics: dict[str, Any]) -> Outcome:
-    from tuner.export import best_trial
-    from tuner.search import tune
+    from tuner.search import TrialRecord, best_trial, tune
 
     fam, backend = ctx.fam, ctx.backend
     trial_space = Space(ctx.space.path, {fam.name: fam, child.name: child}, {})
@@ -261,13 +259,13 @@ def _tune_against_parent(ctx: _Ctx, child: Family, new: dict[str, list[Any]], te
         pst = tune(trial_space, [fam.name], shape, backend, trials=ctx.trials, storage=storage, pool=pool)
         pbest = best_trial(pst)
         # The child starts from the parent's best config with each new knob value, then searches.
-        base = pbest.user_attrs["config"] if pbest else fam.compile_config(fam.defaults())
+        base = TrialRecord.of(pbest).config if pbest else fam.compile_config(fam.defaults())
         warm = [(child.name, base | {k: v}) for k, vs in new.items() for v in vs]
         cst = tune(trial_space, [child.name], shape, backend, trials=ctx.trials, storage=storage, pool=pool,
                    warm_start=warm)
         cbest = best_trial(cst)
-        row: dict[str, Any] = {"shape": str(shape), "parent_config": pbest and pbest.user_attrs["config"],
-                               "child_config": cbest and cbest.user_attrs["config"],
+        row: dict[str, Any] = {"shape": str(shape), "parent_config": pbest and TrialRecord.of(pbest).config,
+                               "child_config": cbest and TrialRecord.of(cbest).config,
                                "parent_tune_us": pbest and pbest.value, "child_tune_us": cbest and cbest.value}
         ctx.say(f"tune {shape} ({ctx.trials} trials each): parent best {_us(row['parent_tune_us'])} "
                 f"{json.dumps(row['parent_config'])}; child best {_us(row['child_tune_us'])} "
@@ -312,28 +310,29 @@ def _us(value: float | None) -> str:
 def _head_to_head(ctx: _Ctx, contenders: dict[str, tuple[Family, Any]], shape: Shape, pool: CompilePool):
     """Times of the parent's and the child's best, verified again and timed interleaved with cuBLAS
     in one worker run (a backend without `compare` answers with the tuning times)."""
-    from tuner.render import render
-    from tuner.search import launch_spec
+    from tuner.build import render
+    from tuner.measure import CandidateSpec, launch_spec
+    from tuner.search import TrialRecord
 
     backend = ctx.backend
     if not hasattr(backend, "compare"):
         return {name: t.value for name, (_, t) in contenders.items()}, None
     cands = {}
     for name, (f, t) in contenders.items():
-        full = f.complete(t.user_attrs["config"] | t.user_attrs.get("variant", {}))
+        rec = TrialRecord.of(t)
+        full = f.complete(rec.kernel)
         cubin = None
         if backend.needs_cubin:
             res = pool.submit(render(f, full, backend.target.arch), backend.target.arch, f.artifact).result()
             cubin = res.cubin
-        cands[name] = {"cubin": cubin, "variant": t.user_attrs.get("variant", {}),
-                       "launch": launch_spec(f, full, shape, backend.target)}
+        cands[name] = CandidateSpec(cubin or "", launch_spec(f, full, shape, backend.target), rec.variant)
     reply = backend.compare(shape, cands, torch=False)
-    if reply.get("status") != "ok":
-        return None, f"head-to-head failed: {reply.get('reason')}"
-    bad = {n: v.get("reason") for n, v in reply.get("verify", {}).items() if not v.get("ok")}
-    if bad or any(n not in reply["times"] for n in cands):
+    if not reply.ok:
+        return None, f"head-to-head failed: {reply.reason}"
+    bad = {n: v.get("reason") for n, v in reply.verify.items() if not v.get("ok")}
+    if bad or any(n not in reply.times for n in cands):
         return None, f"head-to-head: not verified or not timed: {bad}"
-    return reply["times"], None
+    return reply.times, None
 
 
 def _publish(ctx: _Ctx, child: Family, new: dict[str, list[Any]], template: str, metrics: dict[str, Any]) -> str:

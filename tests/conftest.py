@@ -43,6 +43,6 @@ def space():
 
 @pytest.fixture
 def h200():
-    from tuner.target import target_for_arch
+    from tuner.space import target_for_arch
 
     return target_for_arch("sm_90a")

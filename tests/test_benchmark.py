@@ -18,11 +18,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tuner import benchmark as bm
-from tuner import gpu_worker
 from tuner.errors import UserError
-from tuner.export import validate
-from tuner.target import target_for_arch
+from tuner.measure import CandidateSpec, CompareReply, LaunchSpec, timing
+from tuner.measure.protocol import decode_reply
+from tuner.measure.verify import outputs_match
+from tuner.results import bench as bm
+from tuner.results import validate
+from tuner.space import target_for_arch
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = target_for_arch("sm_90a")
@@ -48,10 +50,10 @@ def make_export(entries: list[dict]) -> dict:
 
 
 def ok_reply(times: dict[str, dict[str, float]], verify: dict[str, dict] | None = None,
-             notes: dict[str, str] | None = None) -> dict:
-    return {"status": "ok", "modes": list(times), "times": times.get("offline", {}), "times_by_mode": times,
-            "verify": verify if verify is not None else {"ours0": {"ok": True, "checks": ["exact", "random"]}},
-            "notes": notes or {}}
+             notes: dict[str, str] | None = None) -> CompareReply:
+    return CompareReply(modes=list(times), times=times.get("offline", {}), times_by_mode=times,
+                        verify=verify if verify is not None else {"ours0": {"ok": True, "checks": ["exact", "random"]}},
+                        notes=notes or {})
 
 
 class FakeBackend:
@@ -68,7 +70,9 @@ class FakeBackend:
     def compare(self, shape, candidates, timeout_s=300.0, modes=None, torch=True):
         self.calls.append((str(shape), sorted(candidates), list(modes or []), torch))
         reply = self.replies[str(shape)]
-        return reply(candidates) if callable(reply) else reply
+        reply = reply(candidates) if callable(reply) else reply
+        # A canned dict is what a worker writes: decoded as GpuBackend decodes it.
+        return decode_reply(CompareReply, reply) if isinstance(reply, dict) else reply
 
     def close(self):
         self.closed = True
@@ -248,7 +252,7 @@ def test_parse_modes():
 
 
 def test_builder_turns_an_entry_into_a_worker_candidate(space):
-    from tuner.compile import CompileResult
+    from tuner.build import CompileResult
 
     class Pool:
         def __init__(self):
@@ -263,9 +267,9 @@ def test_builder_turns_an_entry_into_a_worker_candidate(space):
     pool = Pool()
     builder = bm.Builder(space, H200, pool)
     cand, warnings = builder.submit(make_entry("512x384x256"))()
-    assert cand == {"cubin": "/cache/k.cubin", "launch": {"artifact": "cubin", "grid": 8 * 6, "block": 128,
-                                                          "smem": 2 * (64 + 64) * (32 + 8) * 2},
-                    "variant": {"SWIZZLE_LOG": 1}}
+    assert cand == CandidateSpec("/cache/k.cubin", LaunchSpec(artifact="cubin", grid=8 * 6, block=128,
+                                                              smem=2 * (64 + 64) * (32 + 8) * 2),
+                                 {"SWIZZLE_LOG": 1})
     assert warnings == [] and pool.jobs[0][1:] == ("sm_90a", "cubin") and "hgemm" in pool.jobs[0][0]
     with pytest.raises(UserError, match="unknown knob"):
         builder.submit(make_entry("512x384x256", knobs={"BQ": 3}))()
@@ -323,9 +327,9 @@ def _contender(name: str, ms: float):
 
 
 def test_server_mode_flushes_syncs_and_idles_before_every_timed_launch(monkeypatch):
-    monkeypatch.setattr(gpu_worker, "_cp", _fake_cp)
+    monkeypatch.setattr(timing, "_cp", _fake_cp)
     gaps = []
-    monkeypatch.setattr(gpu_worker, "_idle", gaps.append)
+    monkeypatch.setattr(timing, "_idle", gaps.append)
     stream = _Stream()
 
     def flush(s):
@@ -334,7 +338,7 @@ def test_server_mode_flushes_syncs_and_idles_before_every_timed_launch(monkeypat
 
     contenders = {"ours": _contender("ours", 0.010), "cublas": _contender("cublas", 0.020),
                   "torch": _contender("torch", 0.030)}
-    times = gpu_worker.time_server(contenders, None, stream, random.Random(0), launches=20, flush=flush)
+    times = timing.time_server(contenders, None, stream, random.Random(0), launches=20, flush=flush)
     assert times == pytest.approx({"ours": 10.0, "cublas": 20.0, "torch": 30.0})
     log = stream.log
     timed = [log[i + 3] for i in range(len(log) - 3) if log[i:i + 3] == ["flush", "sync", "record"]]
@@ -346,20 +350,20 @@ def test_server_mode_flushes_syncs_and_idles_before_every_timed_launch(monkeypat
 
 
 def test_server_mode_launch_count_follows_the_time_budget(monkeypatch):
-    monkeypatch.setattr(gpu_worker, "_cp", _fake_cp)
-    monkeypatch.setattr(gpu_worker, "_idle", lambda s: None)
+    monkeypatch.setattr(timing, "_cp", _fake_cp)
+    monkeypatch.setattr(timing, "_idle", lambda s: None)
     stream = _Stream()
-    gpu_worker.time_server({"slow": _contender("slow", 500.0)}, None, stream, random.Random(0), launches=100,
+    timing.time_server({"slow": _contender("slow", 500.0)}, None, stream, random.Random(0), launches=100,
                            flush=lambda s: None, budget_ms=2000.0)
     # 2000 ms / 500 ms = 4 launches, raised to the minimum; plus warm-ups (eager, graph upload, estimate).
-    assert stream.log.count("launch:slow") == gpu_worker.SERVER_MIN_LAUNCHES + 3
+    assert stream.log.count("launch:slow") == timing.SERVER_MIN_LAUNCHES + 3
 
 
 def test_offline_mode_graphs_and_the_capture_fallbacks(monkeypatch):
-    monkeypatch.setattr(gpu_worker, "_cp", _fake_cp)
+    monkeypatch.setattr(timing, "_cp", _fake_cp)
     stream = _Stream()
     own = _contender("torch", 0.030)
-    own.capture = lambda buf, s, n: gpu_worker._EagerReplay(own, buf, n)  # e.g. torch timed eagerly
+    own.capture = lambda buf, s, n: timing.EagerReplay(own, buf, n)  # e.g. torch timed eagerly
 
     def broken(buf, s):
         if s.capture is not None:
@@ -367,13 +371,13 @@ def test_offline_mode_graphs_and_the_capture_fallbacks(monkeypatch):
 
     contenders = {"ours": _contender("ours", 0.010), "torch": own, "cublaslt": broken}
     notes: dict[str, str] = {}
-    times = gpu_worker.time_graphs(contenders, None, stream, random.Random(1), notes=notes)
+    times = timing.time_graphs(contenders, None, stream, random.Random(1), notes=notes)
     assert times == pytest.approx({"ours": 10.0, "torch": 30.0})
     assert notes == {"cublaslt": "not measured (offline): RuntimeError: operation not permitted when stream is "
                                  "capturing"}
     assert stream.capture is None  # the broken capture was ended
     with pytest.raises(RuntimeError):  # without notes (the tuner's path) a failure still raises
-        gpu_worker.time_graphs(contenders, None, _Stream(), random.Random(1))
+        timing.time_graphs(contenders, None, _Stream(), random.Random(1))
 
 
 def test_outputs_match_tolerates_rounding_not_a_different_product():
@@ -382,18 +386,18 @@ def test_outputs_match_tolerates_rounding_not_a_different_product():
     b = rng.standard_normal((64, 256)).astype(np.float16)
     exact = a.astype(np.float64) @ b.astype(np.float64).T
     ref = exact.astype(np.float16)
-    ok, stats = gpu_worker.outputs_match(ref, ref.copy())
+    ok, stats = outputs_match(ref, ref.copy())
     assert ok and stats["bitwise_equal"] == 1.0 and stats["max_abs_diff"] == 0.0
     # Another fp32 accumulation order: an ulp here and there.
     other = (a.astype(np.float32)[:, ::-1] @ b.astype(np.float32)[:, ::-1].T).astype(np.float16)
     bumped = np.nextafter(ref, np.float16(np.inf)).astype(np.float16)
-    assert gpu_worker.outputs_match(ref, other)[0] and gpu_worker.outputs_match(ref, bumped)[0]
+    assert outputs_match(ref, other)[0] and outputs_match(ref, bumped)[0]
     # A transposed operand or output, an unwritten element: not the same C.
-    assert not gpu_worker.outputs_match(ref, ref.T.copy())[0]
-    assert not gpu_worker.outputs_match(ref, (a.astype(np.float32) @ a.astype(np.float32).T).astype(np.float16))[0]
+    assert not outputs_match(ref, ref.T.copy())[0]
+    assert not outputs_match(ref, (a.astype(np.float32) @ a.astype(np.float32).T).astype(np.float16))[0]
     holed = ref.copy()
     holed[3, 5] = np.nan
-    ok, stats = gpu_worker.outputs_match(ref, holed)
+    ok, stats = outputs_match(ref, holed)
     assert not ok and stats["nan"] == 1 and stats["outside_tolerance"] == 1
 
 
@@ -411,17 +415,18 @@ def test_bench_command_on_a_fake_gpu(tmp_path, monkeypatch):
     """The command itself (progress, tables, files, exit code) with the GPU and nvcc faked."""
     from typer.testing import CliRunner
 
-    from tuner import cli, compile
+    from tuner import api
+    from tuner.cli.app import app
 
     backend = FakeBackend(REPLIES)
-    monkeypatch.setattr(cli, "_make_backend", lambda *a: backend)
+    monkeypatch.setattr(api, "make_backend", lambda *a: backend)
     monkeypatch.setattr(bm, "Builder", lambda space, target, pool: FakeBuilder(broken={E}))
-    monkeypatch.setattr(compile, "nvcc_path", lambda: "/usr/bin/nvcc")
-    monkeypatch.setattr(compile, "cutlass_include", lambda: tmp_path)
+    monkeypatch.setattr(api, "nvcc_path", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(api, "cutlass_include", lambda: tmp_path)
     path = tmp_path / "best.json"
     path.write_text(json.dumps(make_export([make_entry(A), make_entry(B), make_entry(C), make_entry(E),
                                             make_entry(A, gpu="NVIDIA A100-SXM4-80GB", arch="sm_80")])))
-    res = CliRunner().invoke(cli.app, ["bench", str(path), "--out", str(tmp_path / "out"),
+    res = CliRunner().invoke(app, ["bench", str(path), "--out", str(tmp_path / "out"),
                                        "--space", str(ROOT / "space.yaml")])
     assert res.exit_code == 1, res.output  # two kernels did not verify / build
     assert backend.closed and sorted(c[0] for c in backend.calls) == sorted([A, B, C])
@@ -432,7 +437,7 @@ def test_bench_command_on_a_fake_gpu(tmp_path, monkeypatch):
     assert "baseline not measured: torch (not measured: torch is not installed" in text
     assert {f.name for f in (tmp_path / "out").iterdir()} >= {"bench.csv", "bench_geomean.csv", "bench.md",
                                                               "bench.json"}
-    res = CliRunner().invoke(cli.app, ["bench", str(path), "--mode", "server", "--out", str(tmp_path / "o2"),
+    res = CliRunner().invoke(app, ["bench", str(path), "--mode", "server", "--out", str(tmp_path / "o2"),
                                        "--space", str(ROOT / "space.yaml")])
     assert backend.calls[-1][2] == ["server"]
     assert json.loads((tmp_path / "o2" / "bench.json").read_text())["modes"] == ["server"]
@@ -484,12 +489,12 @@ def test_no_gpu_is_one_line_exit_2(tmp_path):
 @pytest.mark.gpu
 def test_bench_command_end_to_end_both_modes(tmp_path):
     """Tune a small wmma shape briefly, export it, then `hgemm-tune bench --mode both`."""
-    from tuner.bench import GpuBackend
-    from tuner.compile import CompilePool
-    from tuner.export import export_studies, write_json
+    from tuner.build import CompilePool
+    from tuner.measure import GpuBackend
+    from tuner.results import write_json
+    from tuner.results.export import export_studies
     from tuner.search import tune
-    from tuner.shapes import parse_shape
-    from tuner.space import load_space
+    from tuner.space import load_space, parse_shape
 
     space = load_space(ROOT / "space.yaml")
     backend = GpuBackend()
@@ -533,277 +538,62 @@ def test_report_plots_a_bench_json(result, tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_families_variant_overrides_parse_and_refuse_garbage():
-    """`bench_families.py --variant` text -> knob overrides (integers as in space.yaml); a part
-    without '=' is a clear exit, not a traceback."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        from bench_families import parse_overrides
-    finally:
-        sys.path.pop(0)
-    assert parse_overrides("L2_HINT=stream_a,STAGES=6") == {"L2_HINT": "stream_a", "STAGES": 6}
-    assert parse_overrides("SCHEDULER=persistent") == {"SCHEDULER": "persistent"}
-    with pytest.raises(SystemExit, match="expected KNOB=VALUE"):
-        parse_overrides("STAGES")
-
-
-def test_timeline_probe_puts_every_ctas_clock_stamps_on_one_time_axis():
-    """timeline_probe.py: each CTA's SM-clock stamps become us since the first CTA's entry, at
-    the clock rate measured over that CTA's own life (clock ticks / global-timer ns); unused
-    rows (no global entry stamp) are not CTAs; the spans are per-CTA differences."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        from timeline_probe import FIELDS, summary, timeline_of
-    finally:
-        sys.path.pop(0)
-    # Two CTAs at 2 GHz entering 500 ns apart. After entry (us): producer in load() 1.0, first
-    # load 1.25, consumers in the mainloop 1.1, first stage full 2.25, last load 30, mma 35, exit 36;
-    # barrier init done 0.5 in the first CTA (our kernel body's stamp) and never in the second
-    # (never written: a min-stamp stays at its reset value ~0); consumers past the wait: never.
-    us = [0, 1.0, 1.25, 1.1, 2.25, 30, 35, 36]
-    unset = 2**64 - 1
-    # the producer done with load_init + scheduler at 0.6 us, past its register release at 0.9,
-    # past griddepcontrol.wait at 0.95 (first CTA only); the consumers' register stamps: never
-    rows = [[c + int(t * 2000) for t in us] + [init, unset, setup, regs, deps, unset, g, g + 36_000, sm]
-            for c, g, sm, init, setup, regs, deps in ((10_000, 1_000_000, 3, 11_000, 11_200, 11_800, 11_900),
-                                                      (99_000, 1_000_500, 7, unset, unset, unset, unset))]
-    rows += [[0] * len(FIELDS)] * 3
-    tl = timeline_of(rows)
-    assert (tl["ctas"], tl["sm_ghz"], tl["global_timer_tick_ns"]) == (2, 2.0, 500)
-    s = summary(tl)
-    assert s["entry"] == (0.0, 0.25, 0.5) and s["last_load"] == (30.0, 30.25, 30.5)
-    assert s["exit"] == (36.0, 36.25, 36.5)
-    assert s["prologue (entry -> producer in load)"] == (1.0, 1.0, 1.0)
-    assert s["barrier init (entry -> producer done with it)"] == (0.5, 0.5, 0.5)  # the one CTA that stamped it
-    assert s["  then load_init + scheduler"] == pytest.approx((0.1, 0.1, 0.1))
-    assert s["  then register release (+ cluster wait)"] == pytest.approx((0.3, 0.3, 0.3))
-    assert s["  then work tile + griddepcontrol.wait"] == pytest.approx((0.05, 0.05, 0.05))
-    assert s["  then to load()"] == pytest.approx((0.05, 0.05, 0.05))
-    assert "  then work tile + register allocation" not in s
-    assert "consumers_ready" not in s and "consumers wait for the init (entry -> past it)" not in s
-    assert s["first load's latency (issued -> stage full)"] == (1.0, 1.0, 1.0)
-    assert s["epilogue (last wgmmas issued -> exit)"] == (1.0, 1.0, 1.0)
-    assert sorted(c["sm"] for c in tl["per_cta"]) == [3, 7]
-
-
-def _bench_families():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import bench_families
-    finally:
-        sys.path.pop(0)
-    return bench_families
-
-
-def test_bench_families_repeats_report_medians_and_the_ratio_range():
+def test_bench_repeats_report_medians_and_the_ratio_range():
     """--repeats: times are medians over the runs; ratios are the median of per-run ratios,
-    paired within each run; the range column shows the lowest and highest per-run ratio."""
-    bf = _bench_families()
-    from tuner.shapes import parse_shape
-
-    shape = parse_shape("16384x128x4096")
-    row = bf.Row(shape, "cute_sm90", "{}", ok=True,
-                 times=[40.0, 38.0, 41.0],
-                 vendors=[{"cublas": 38.0, "cublaslt": 39.0, "cublaslt_auto": 37.0},
-                          {"cublas": 39.9, "cublaslt": 39.0, "cublaslt_auto": 37.0},
-                          {"cublas": 41.0, "cublaslt": 39.0, "cublaslt_auto": 37.0}])
-    assert row.median() == 40.0 and row.median("cublas") == 39.9
-    assert row.ratios("cublas") == pytest.approx([0.95, 1.05, 1.0])
-    text = bf.table([row], target_for_arch("sm_90a"), runs=3)
-    line = next(ln for ln in text.splitlines() if ln.startswith("| 16384x128x4096"))
-    cells = [c.strip() for c in line.split("|")]
-    assert cells[3] == "40.00" and cells[5] == "39.90"  # median us, ours and cuBLAS
-    assert cells[8] == "1.000"  # median of the per-run ratios, not 39.9 / 40.0
-    assert cells[11] == "0.950-1.050"
-    assert "3 runs, each in a fresh worker process" in text
-    # one run: no range column
-    assert "cuBLAS range" not in bf.table([row], target_for_arch("sm_90a"), runs=1)
-
-
-def test_bench_families_top_k_selection_keeps_the_lowest_median_verified_config():
-    """--top: over the selection runs (a fresh worker after the first), each family keeps the
-    config with the lowest median time among those that verified in every run: not the one that
-    was fastest once (#0), nor a faster one that failed verification in one run (#2); variants
-    ('+') are left alone."""
-    bf = _bench_families()
-    from tuner.shapes import parse_shape
-
-    names = ["cute_sm90#0", "cute_sm90#1", "cute_sm90#2", "cute_sm90+X=1"]
-
-    def reply(times, verified):
-        return {"status": "ok", "times": dict(zip(names, times, strict=True)),
-                "verify": {n: {"ok": v, "reason": "" if v else "wrong"} for n, v in zip(names, verified, strict=True)}}
-
-    replies = [reply([38.0, 39.5, 30.0, 45.0], [True] * 4),
-               reply([41.0, 39.6, 30.0, 45.0], [True, True, False, True]),
-               reply([40.5, 39.4, 30.0, 45.0], [True] * 4)]
-    served, restarts = iter(replies), []
-    backend = SimpleNamespace(compare=lambda shape, cands, torch=True: next(served),
-                              restart=lambda: restarts.append(1))
-    candidates = {n: {"cubin": n} for n in replies[0]["times"]}
-    configs = {n: {"name": n} for n in replies[0]["times"]}
-    rows = []
-    bf.select(backend, parse_shape("16384x128x4096"), candidates, configs, rows, runs=3)
-    assert len(restarts) == 2
-    assert candidates == {"cute_sm90": {"cubin": "cute_sm90#1"}, "cute_sm90+X=1": {"cubin": "cute_sm90+X=1"}}
-    assert configs["cute_sm90"] == {"name": "cute_sm90#1"} and rows == []
-    # one run: the fastest that verified in it (#2 passed run 1), as before
-    served = iter(replies)
-    candidates = {n: {"cubin": n} for n in replies[0]["times"]}
-    configs = {n: {"name": n} for n in replies[0]["times"]}
-    bf.select(backend, parse_shape("16384x128x4096"), candidates, configs, rows, runs=1)
-    assert candidates["cute_sm90"] == {"cubin": "cute_sm90#2"}
+    paired within each run; the cuBLAS cell shows the lowest and highest per-run ratio; each
+    run after the first starts a fresh worker."""
+    data = make_export([make_entry(A)])
+    replies = iter([ok_reply({"offline": {"ours0": t, "cublas": c}})
+                    for t, c in ((40.0, 38.0), (38.0, 39.9), (41.0, 41.0))])
+    restarts = []
+    backend = FakeBackend({A: lambda cands: next(replies)})
+    backend.restart = lambda: restarts.append(1)
+    res = bm.run_benchmark(data, backend, FakeBuilder(), ["offline"], repeats=3)
+    (row,) = res["rows"]
+    assert len(restarts) == 2 and row["runs"] == 3
+    assert row["ours_us"] == 40.0 and row["cublas_us"] == 39.9  # median us, ours and cuBLAS
+    assert row["speedup_cublas"] == pytest.approx(1.0)  # median of the per-run ratios, not 39.9 / 40.0
+    assert (row["speedup_cublas_min"], row["speedup_cublas_max"]) == (pytest.approx(0.95), pytest.approx(1.05))
+    md = bm.markdown(res)
+    assert "1.000 (0.950-1.050)" in md and "3 runs, each in a fresh worker process" in md
+    # one run: no range
+    one = bm.run_benchmark(data, FakeBackend({A: ok_reply({"offline": {"ours0": 40.0, "cublas": 38.0}})}),
+                           FakeBuilder(), ["offline"])
+    assert "(0.950" not in bm.markdown(one) and "fresh worker" not in bm.markdown(one)
 
 
-def test_bench_families_top_k_counts_one_kernel_once(tmp_path):
-    """The same kernel stored by an older study (without a knob added since) and by a newer one
-    (with that knob at its default) is one config for --top, not two; failed trials and other
-    families never count."""
-    import optuna
-
-    bf = _bench_families()
-    from tuner.space import load_space
-
-    fam = load_space("space.yaml").family("cute_sm90")
-    storage = f"sqlite:///{tmp_path / 's.db'}"
-    old = {"TILE_M": 128, "TILE_N": 64, "STAGES": 8}  # stored before TMA_L2_PROMOTION existed
-    rows = [(37.6, old, "ok", "cute_sm90"), (37.8, old | {"TMA_L2_PROMOTION": 128}, "ok", "cute_sm90"),
-            (38.2, old | {"STAGES": 6}, "ok", "cute_sm90"), (30.0, old | {"STAGES": 4}, "wrong", "cute_sm90"),
-            (20.0, {"BM": 128}, "ok", "cute_sm80")]
-    for tag in ("a", "b"):
-        study = optuna.create_study(study_name=f"16384x128x4096-{tag}", storage=storage)
-        study.set_user_attr("shape", "16384x128x4096")
-        for value, cfg, status, family in rows:
-            study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
-                "config": cfg, "variant": {"RASTER": "along_n"}, "status": status, "family": family}))
-    top = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 5, fam.complete_stored)
-    assert [t.value for t in top] == [37.6, 38.2]
-    raw = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 5)  # without completion: two keys
-    assert [t.value for t in raw] == [37.6, 37.8, 38.2]
-
-
-def test_bench_families_top_k_from_one_study_only(tmp_path):
-    """study=NAME (--tagged-only) pools one study's trials: a faster time stored by another
-    study (another session, another GPU) does not crowd this study's configs out."""
-    import optuna
-
-    bf = _bench_families()
-    storage = f"sqlite:///{tmp_path / 's.db'}"
-    for name, value, stages in (("old", 37.6, 8), ("new-s13", 39.9, 6), ("new-s13", 39.0, 4)):
-        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True)
-        study.set_user_attr("shape", "16384x128x4096")
-        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
-            "config": {"TILE_N": 128, "STAGES": stages}, "variant": {}, "status": "ok", "family": "cute_sm90"}))
-    assert [t.value for t in bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2)] == [37.6, 39.0]
-    only = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, study="new-s13")
-    assert [t.value for t in only] == [39.0, 39.9]
-    assert bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, study="missing") == []
-
-
-def test_bench_families_top_k_prefers_the_gpu_model_it_runs_on(tmp_path):
-    """Over studies from two cards, the bench takes its top K from the trials measured on the card
-    it runs on, where there are any; picks do not carry between H100 and H200 (NOTES.md, session 19)."""
-    import optuna
-
-    bf = _bench_families()
-    storage = f"sqlite:///{tmp_path / 's.db'}"
-    for name, value, stages, gpu in (("h200", 37.6, 8, "gpu:NVIDIA H200"), ("h100", 39.9, 6, "gpu:NVIDIA H100#0"),
-                                     ("h100", 39.0, 4, "gpu:NVIDIA H100#1")):
-        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True)
-        study.set_user_attr("shape", "16384x128x4096")
-        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
-            "config": {"TILE_N": 128, "STAGES": stages}, "variant": {}, "status": "ok", "family": "cute_sm90",
-            "gpu": gpu}))
-    on_h100 = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, gpu="NVIDIA H100")
-    assert [t.value for t in on_h100] == [39.0, 39.9]
-    on_other = bf.top_of_family(storage, "16384x128x4096", "cute_sm90", 2, gpu="NVIDIA A100")
-    assert [t.value for t in on_other] == [37.6, 39.0]  # nothing measured there: all of them
+def test_bench_repeats_count_a_kernel_only_if_every_run_verified_it():
+    """A kernel that fails verification in one of the runs is a failed row, never a median of the
+    runs it passed."""
+    data = make_export([make_entry(A)])
+    replies = iter([ok_reply({"offline": {"ours0": 10.0, "cublas": 12.0}}),
+                    ok_reply({"offline": {"cublas": 12.0}}, verify={"ours0": {"ok": False, "kind": "wrong",
+                                                                              "reason": "3 outputs differ"}})])
+    backend = FakeBackend({A: lambda cands: next(replies)})
+    backend.restart = lambda: None
+    (row,) = bm.run_benchmark(data, backend, FakeBuilder(), ["offline"], repeats=2)["rows"]
+    assert row["status"] == "failed" and row["reason"] == "wrong: 3 outputs differ" and row["speedup_cublas"] is None
 
 
 @pytest.mark.nvcc
-def test_bench_families_build_only_fills_the_cache_without_a_gpu(tmp_path):
-    """--build-only compiles the stored best and each variant into HGEMM_TUNE_CACHE and stops
-    before any GPU work (this test runs where there is none), so a CPU machine can build the
-    cache that a GPU run then carries; with --trials N it builds a fresh study's first N seeds."""
-    import optuna
-
-    storage = f"sqlite:///{tmp_path / 's.db'}"
-    study = optuna.create_study(study_name="256x256x256-wmma", storage=storage)
-    study.set_user_attr("shape", "256x256x256")
-    best = {"BM": 64, "BN": 64, "BK": 32, "WARP_M": 2, "WARP_N": 2, "STAGES": 2, "PAD": 8}
-    study.add_trial(optuna.trial.create_trial(value=5.0, user_attrs={
-        "config": best, "variant": {"SWIZZLE_LOG": 1}, "status": "ok", "family": "wmma"}))
-    root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "benchmarks" / "bench_families.py"), "--build-only", "--trials", "0",
-           "--families", "wmma", "--shapes", "256x256x256", "--storage", storage, "--out", str(tmp_path / "out"),
-           "--variant", "PAD=0"]
+def test_prebuild_fills_the_cache_without_a_gpu(tmp_path):
+    """`hgemm-tune prebuild` compiles an export's kernels and a fresh study's seeds for --arch into
+    HGEMM_TUNE_CACHE with no GPU present, so a CPU machine can build the cache that a GPU run then
+    carries; a second run finds every build cached."""
+    entry = make_entry("256x256x256", arch="sm_90a", knobs=WMMA_KNOBS)
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(make_export([entry])))
     env = os.environ | {"HGEMM_TUNE_CACHE": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "tuner.cli", "prebuild", str(path), "--families", "wmma", "--arch", "sm_90a"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    lines = sorted(done.stdout.splitlines())
-    assert len(lines) == 2 and all("built in" in line and "0 spill bytes" in line for line in lines), lines
-    assert [line.partition(":")[0] for line in lines] == ["256x256x256 wmma+PAD=0", "256x256x256 wmma"]
-    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
-    # a variant that changes nothing or cannot run is said to be skipped (a missing row reads as a lost result)
-    again = subprocess.run(cmd + ["--variant", "PAD=8", "--variant", "BM=16"], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert again.stdout.count(": cached,") == 2  # the GPU run that carries the cache compiles nothing
-    assert "wmma+PAD=8: skipped: the best already has these values" in again.stdout
-    assert "wmma+BM=16: skipped: warp tile rows must be a multiple of 16" in again.stdout
-    # --trials N: the first N seeds of a fresh (tagged) study, before its storage exists; the
-    # family's default config is the stored best above, so seed 0 is a cache hit
-    fresh = ["--storage", f"sqlite:///{tmp_path / 'fresh.db'}"]
-    seeds = subprocess.run(cmd[:3] + ["--trials", "2", "--study-tag", "fresh", "--tagged-only"]
-                           + cmd[5:9] + cmd[11:13] + fresh,
-                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert "256x256x256 (export)" in done.stdout and "1 of 1 built" in done.stderr
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 1
+    seeds = subprocess.run(cmd + ["--shapes", "256x256x256"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=600)
     assert seeds.returncode == 0, seeds.stderr
-    lines = seeds.stdout.splitlines()
-    assert [line.partition(": ")[0] for line in lines] == ["256x256x256 wmma:seed0", "256x256x256 wmma:seed1"]
-    assert ": cached," in lines[0] and ": built in" in lines[1]
-
-
-def test_issue3_check_reads_the_bench_json_and_holds_each_shape_to_its_bar(tmp_path):
-    """bench_families writes its rows as bench_families.json; issue3_check.py picks each shape's best
-    contender that verified in every run and holds it to the issue's bar (0.97 at the two big squares,
-    1.0 at M or N <= 256, none elsewhere), and fails a run on another card than the H200."""
-    import dataclasses
-
-    bf = _bench_families()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import issue3_check
-    finally:
-        sys.path.pop(0)
-    from tuner.shapes import parse_shape
-
-    def row(shape, name, ratios, ok=True):
-        vendors = [{"cublas": 10.0 * r, "cublaslt": 10.0 * r, "cublaslt_auto": 10.0} for r in ratios]
-        return bf.Row(parse_shape(shape), name, '{"TILE_M":128}' if ok else "max |err| 3.0 at (0, 5)", ok=ok,
-                      times=[10.0] * len(ratios), vendors=vendors)
-
-    rows = [row(s, "cute_sm90", [1.01, 1.02, 1.03]) for s in issue3_check.SHAPES]
-    h200 = dataclasses.replace(target_for_arch("sm_90a"), name="NVIDIA H200")
-    (tmp_path / "a").mkdir()
-    bf.write_results(tmp_path / "a", rows, h200, 3)
-    gpus, loaded = issue3_check.load([tmp_path])
-    assert gpus == {"NVIDIA H200"} and len(loaded) == 10 and loaded[0]["config"] == {"TILE_M": 128}
-    assert issue3_check.check(gpus, loaded)[1] == []
-
-    # a skinny shape at 0.99x misses its 1.0 bar; a faster variant that failed verification does not count
-    rows[7] = row("128x16384x16384", "cute_sm90", [0.98, 0.99, 1.00])
-    rows.append(row("128x16384x16384", "cute_sm90+fast", [1.2, 1.2, 1.2], ok=False))
-    # 1024^3 has no bar: 0.9x is reported, not failed; 8192^3 at 0.96 misses 0.97
-    rows[3] = row("1024x1024x1024", "cute_sm90", [0.9, 0.9, 0.9])
-    rows[1] = row("8192x8192x8192", "cute_sm90", [0.96, 0.96, 0.96])
-    (tmp_path / "b").mkdir()
-    bf.write_results(tmp_path / "b", rows[:9] + rows[10:], dataclasses.replace(h200, name="NVIDIA H100 80GB HBM3"), 3)
-    table, problems = issue3_check.check(*issue3_check.load([tmp_path / "b"]))
-    assert any("these runs are on NVIDIA H100" in p for p in problems)
-    assert any(p.startswith("128x16384x16384: 0.990x") for p in problems)
-    assert any(p.startswith("128x16384x16384: 1 contender(s) failed") for p in problems)
-    assert any(p.startswith("8192x8192x8192: 0.960x") for p in problems)
-    assert not any(p.startswith("1024x1024x1024") for p in problems)
-    assert "3000x5000x1000: not measured" in problems  # the rows written leave it out
-    line = next(ln for ln in table.splitlines() if ln.startswith("| 128x16384x16384"))
-    assert "| cute_sm90 |" in line and "| 0.990 | 0.980-1.000 |" in line and line.endswith("| **no** |")
-    assert next(ln for ln in table.splitlines() if ln.startswith("| 1024x1024x1024")).endswith("| - | - |")
+    assert "cached" in seeds.stdout and "seed" in seeds.stdout  # the export's build is found; seeds are built
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) >= 2
+    bad = subprocess.run([sys.executable, "-m", "tuner.cli", "prebuild"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: prebuild needs an export file, --shapes, or both"

@@ -9,12 +9,13 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tuner.bench import ReplayBackend
-from tuner.compile import CompilePool
-from tuner.confirm import confirm, confirmation, distinct_best, summarize
-from tuner.export import best_trial, export_studies, exported_trial, write_json
-from tuner.search import tune
-from tuner.shapes import parse_shape
+from tuner.build import CompilePool
+from tuner.measure import CompareReply, ReplayBackend
+from tuner.results import write_json
+from tuner.results.export import export_studies, exported_trial
+from tuner.search import best_trial, tune
+from tuner.search.confirm import confirm, confirmation, distinct_best, summarize
+from tuner.space import parse_shape
 
 REPLAY = Path(__file__).resolve().parent / "data" / "replay_4096x4096x8192.jsonl"
 SHAPE = parse_shape("4096x4096x8192")
@@ -27,11 +28,10 @@ def _trial(number: int, value: float, family: str = "wmma", config: dict | None 
     return t
 
 
-def _reply(times: dict, failed: tuple = ()) -> dict:
+def _reply(times: dict, failed: tuple = ()) -> CompareReply:
     names = [n for n in times if n.startswith("#")]
-    return {"status": "ok", "times": times,
-            "verify": {n: {"ok": n not in failed, "reason": "random check: max error 3.1" if n in failed else None}
-                       for n in names}}
+    return CompareReply(times=times, verify={
+        n: {"ok": n not in failed, "reason": "random check: max error 3.1" if n in failed else None} for n in names})
 
 
 def test_a_time_measured_on_older_code_does_not_rank():
@@ -93,7 +93,7 @@ def test_summarize_keeps_the_median_winner_verified_in_every_run():
 
 def test_summarize_a_failed_run_or_build_confirms_nothing():
     a, b = _trial(1, 5.0), _trial(2, 5.1)
-    rec = summarize([a, b], [{"status": "fault", "reason": "worker died"}, _reply({"#1": 5.0, "#2": 5.0})],
+    rec = summarize([a, b], [CompareReply(status="fault", reason="worker died"), _reply({"#1": 5.0, "#2": 5.0})],
                     {"#2": "does not compile: error"}, "gpu:test")
     assert rec["winner"] is None
     assert [k["verified"] for k in rec["kernels"]] == [False, False]
@@ -127,7 +127,7 @@ class ScriptedBackend:
     def compare(self, shape, candidates, torch=True):
         assert shape == SHAPE and torch is False
         for cand in candidates.values():
-            assert Path(cand["cubin"]).is_file() and cand["launch"]["artifact"] == "cubin"
+            assert Path(cand.binary).is_file() and cand.launch.artifact == "cubin"
         self.seen.append(sorted(candidates))
         run = self.script[(len(self.seen) - 1) % len(self.script)]
         times = {self.order[r]: us for r, us in run.items()} | {"cublas": self.cublas}
@@ -215,9 +215,11 @@ def test_a_simulated_backend_confirms_nothing(space, study):
 
 @pytest.mark.nvcc
 def test_cli_confirm_prints_the_runs_and_keeps_a_holding_confirmation(space, study, cubins, capsys, tmp_path):
-    from rich.progress import Progress
+    from dataclasses import replace
 
-    from tuner import cli
+    from tuner import api
+    from tuner.cli.app import studies
+    from tuner.cli.views import CliListener
 
     top = distinct_best(study.get_trials(), 3)
     be = ScriptedBackend(ReplayBackend(REPLAY, "sm_90a").target,
@@ -225,16 +227,19 @@ def test_cli_confirm_prints_the_runs_and_keeps_a_holding_confirmation(space, stu
     be.order = [f"#{t.number}" for t in top]
     pool = CompilePool(2, cache_dir=cubins)
     try:
-        cli._confirm(space, study, be, pool, 3, 2)
+        opts = api.Options(confirm_top=3, confirm_runs=2)
+        with CliListener() as listener:
+            api.confirm_best(space, study, be, pool, opts, listener)
         out = capsys.readouterr().out
         assert "3 kernels x 2 fresh runs" in out and "* exported" in out and "502.50" in out
-        cli._confirm(space, study, be, pool, 3, 2)  # holds: no run again
+        with CliListener() as listener:
+            api.confirm_best(space, study, be, pool, opts, listener)  # holds: no run again
         assert len(be.seen) == 2 and "confirmed earlier" in capsys.readouterr().err
-        with Progress() as progress:  # a sweep's bar: a larger request confirms again, quietly
-            cli._confirm(space, study, be, pool, 3, 3, bar=(progress, progress.add_task("t", status="")))
+        with CliListener(sweep=True) as listener:  # a sweep's bar: a larger request confirms again, quietly
+            api.confirm_best(space, study, be, pool, replace(opts, confirm_runs=3), listener)
         assert len(be.seen) == 5 and study.user_attrs["confirm"]["runs"] == 3
     finally:
         pool.close()
     capsys.readouterr()
-    cli.studies(storage=f"sqlite:///{tmp_path}/c.db")
+    studies(storage=f"sqlite:///{tmp_path}/c.db")
     assert "median of 3 confirm runs" in capsys.readouterr().out.replace("\n", " ")

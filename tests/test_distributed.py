@@ -17,9 +17,7 @@ import pytest
 from helpers import kill9_after
 
 from tuner.search import NOT_EVALUATED
-from tuner.shapes import parse_shape
-from tuner.space import load_space
-from tuner.target import target_for_arch
+from tuner.space import load_space, parse_shape, target_for_arch
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -50,7 +48,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def measured(storage: str) -> list[optuna.trial.FrozenTrial]:
-    from tuner.storage import open_storage
+    from tuner.search.storage import open_storage
 
     st = open_storage(storage)
     (name,) = optuna.get_all_study_names(st)
@@ -123,9 +121,9 @@ def test_kill9_keeps_every_finished_trial(tmp_path):
 
 DEAD_WORKER = """
 import sys, time, optuna
-from tuner.search import trial_params
+from tuner.search.sampler import trial_params
 from tuner.space import load_space
-from tuner.storage import Heartbeat, open_storage
+from tuner.search.storage import Heartbeat, open_storage
 storage, name, space_file, config = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 backing = open_storage(storage)
 study = optuna.load_study(study_name=name, storage=backing)
@@ -216,7 +214,8 @@ def test_interrupted_workers_leave_no_trial_running(who, tmp_path):
 
 def test_an_interrupt_inside_tell_leaves_no_trial_running(tmp_path, monkeypatch):
     """Ctrl-C between a trial's attributes and its tell: the trial ends FAIL ("interrupted")."""
-    from tuner.search import TrialRecord, _tell
+    from tuner.search import TrialRecord
+    from tuner.search.tell import tell as _tell
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/t.db")
     trial = study.ask()

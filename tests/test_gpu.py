@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from tuner.bench import EvalRequest, GpuBackend
-from tuner.compile import compile_source
-from tuner.render import render
-from tuner.search import finish, prepare
-from tuner.shapes import parse_shape
+from tuner.build import compile_source, render
+from tuner.measure import EvalRequest, GpuBackend, LaunchSpec
+from tuner.search.compile_queue import finish, prepare
+from tuner.space import parse_shape
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def _naive_request(body: str, shape, tmp_path, arch: str) -> EvalRequest:
     res = compile_source(NAIVE.replace("BODY", body), arch, cache_dir=tmp_path)
     assert res.ok, res.error
     grid = (shape.M * shape.N + 127) // 128
-    return EvalRequest("naive", {}, shape, res.cubin, {"grid": grid, "block": 128, "smem": 0}, [{"SWIZZLE_LOG": 0}])
+    return EvalRequest("naive", {}, shape, res.cubin, LaunchSpec(grid=grid, block=128), [{"SWIZZLE_LOG": 0}])
 
 
 def test_naive_kernel_passes_every_check(backend, tmp_path):
@@ -103,7 +103,7 @@ def test_fp16_accumulation_is_caught(backend, tmp_path):
         "acc = __hadd(acc, __hmul(A[(long)m * K + k], B[(long)n * K + k]));").replace("BODY", "C[i] = acc;")
     res = compile_source(src, backend.target.arch, cache_dir=tmp_path)
     assert res.ok, res.error
-    m = backend.evaluate(EvalRequest("naive16", {}, shape, res.cubin, {"grid": 32, "block": 128, "smem": 0},
+    m = backend.evaluate(EvalRequest("naive16", {}, shape, res.cubin, LaunchSpec(grid=32, block=128),
                                      [{"SWIZZLE_LOG": 0}]))
     assert not m.ok and m.kind in ("wrong", "accumulate"), m.reason
 
@@ -113,7 +113,7 @@ def test_fp16_accumulation_is_caught(backend, tmp_path):
 def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
     fam = space.family(family)
     shape = parse_shape(shape_s)
-    from tuner.compile import CompilePool
+    from tuner.build import CompilePool
 
     config = fam.compile_config(fam.defaults())
     if fam.violations(fam.complete(config), shape, backend.target):  # cute_sm90's 2x1 cluster over one
@@ -128,7 +128,7 @@ def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
 def test_cute_sm90_split_k_variants_verify_on_tails(space, backend):
     """Every stream-K / split-K variant of one library, both reduction orders, passes the
     random check on a tail shape (the worker checks each run-time variant) and is timed."""
-    from tuner.compile import CompilePool
+    from tuner.build import CompilePool
 
     fam = space.family("cute_sm90")
     config = fam.compile_config(fam.complete({"TILE_N": 64, "SCHEDULER": "streamk", "STAGES": 8, "CLUSTER_M": 1}))
@@ -148,7 +148,7 @@ def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(spa
     operands are multicast. It must pass the full check on a tail shape, launched plainly and
     with programmatic dependent launch (same library, same process). The TMA descriptors are
     encoded through our L2-promotion wrapper (TMA_L2_PROMOTION=256) at the same time."""
-    from tuner.search import launch_spec
+    from tuner.measure import CandidateSpec, launch_spec
 
     fam = space.family("cute_sm90")
     full = fam.complete({"TILE_N": 64, "STAGES": 6, "CLUSTER_M": 2, "CLUSTER_N": 2, "L2_HINT": "stream_b",
@@ -159,12 +159,13 @@ def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(spa
     assert built.ok, built.error
     variant = fam.runtime_config(full)
     launch = launch_spec(fam, full, shape, backend.target)
-    plain = {"cubin": built.cubin, "variant": variant, "launch": launch}
-    reply = backend.compare(shape, {"plain": plain, "pdl": plain | {"launch": launch | {"pdl": True}}}, torch=False)
-    assert reply["status"] == "ok", reply
+    plain = CandidateSpec(built.cubin, launch, variant)
+    pdl = CandidateSpec(built.cubin, dataclasses.replace(launch, pdl=True), variant)
+    reply = backend.compare(shape, {"plain": plain, "pdl": pdl}, torch=False)
+    assert reply.status == "ok", reply
     for name in ("plain", "pdl"):
-        assert reply["verify"][name]["ok"], reply["verify"][name]
-        assert reply["times"][name] > 0
+        assert reply.verify[name]["ok"], reply.verify[name]
+        assert reply.times[name] > 0
 
 
 def test_cute_sm90_our_kernel_body_verifies_in_clusters_with_pdl_on_a_tail(space, backend):
@@ -174,7 +175,7 @@ def test_cute_sm90_our_kernel_body_verifies_in_clusters_with_pdl_on_a_tail(space
     whose barriers only the cluster barrier orders), launched plainly and with PDL."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tuner.search import launch_spec
+    from tuner.measure import CandidateSpec, launch_spec
 
     fam = space.family("cute_sm90")
     shape = parse_shape("1111x1000x1000")  # 9 x 16 tiles of 128x64, M tail
@@ -191,20 +192,21 @@ def test_cute_sm90_our_kernel_body_verifies_in_clusters_with_pdl_on_a_tail(space
     for name, full in configs.items():
         assert built[name].ok, built[name].error
         launch = launch_spec(fam, full, shape, backend.target)
-        contenders[name] = {"cubin": built[name].cubin, "variant": fam.runtime_config(full), "launch": launch}
-        contenders[f"{name}_pdl"] = contenders[name] | {"launch": launch | {"pdl": True}}
+        contenders[name] = CandidateSpec(built[name].cubin, launch, fam.runtime_config(full))
+        contenders[f"{name}_pdl"] = CandidateSpec(built[name].cubin, dataclasses.replace(launch, pdl=True),
+                                                  fam.runtime_config(full))
     reply = backend.compare(shape, contenders, torch=False)
-    assert reply["status"] == "ok", reply
+    assert reply.status == "ok", reply
     for name in contenders:
-        assert reply["verify"][name]["ok"], (name, reply["verify"][name])
-        assert reply["times"][name] > 0
+        assert reply.verify[name]["ok"], (name, reply.verify[name])
+        assert reply.times[name] > 0
 
 
 @pytest.mark.parametrize("shape_s", ["333x200x1000", "512x384x4096"])
 def test_cute_sm90_fp16_accumulate_verifies_against_cublas_fp16(space, backend, shape_s):
     """--accumulate fp16: the kernel passes exact and random checks against cuBLAS's fp16
     compute (the fp32-accumulation check is skipped) and is timed against it."""
-    from tuner.compile import CompilePool
+    from tuner.build import CompilePool
 
     fam = space.family("cute_sm90")
     shape = parse_shape(shape_s)
@@ -223,7 +225,7 @@ def test_render_matches_what_was_measured(space):
 
 def test_study_with_broken_family_survives_every_failure(backend, tmp_path):
     """Each planted fault ends as a failed trial of its own kind; the study completes."""
-    from tuner.compile import CompilePool
+    from tuner.build import CompilePool
     from tuner.search import tune
     from tuner.space import load_space
 
@@ -249,8 +251,9 @@ def test_loader_matches_the_tuned_kernel_on_cupy_and_torch(tmp_path, backend, fa
     import cupy
 
     from tuner import load
-    from tuner.compile import CompilePool
-    from tuner.export import export_studies, write_json
+    from tuner.build import CompilePool
+    from tuner.results import write_json
+    from tuner.results.export import export_studies
     from tuner.search import tune
     from tuner.space import load_space
 
@@ -281,10 +284,11 @@ def test_loader_matches_the_tuned_kernel_on_cupy_and_torch(tmp_path, backend, fa
 def test_confirm_retimes_the_best_kernels_in_fresh_workers(tmp_path, backend, family):
     """`tune`'s confirmation on the GPU: the best kernels rebuilt, re-verified and timed with the
     vendors in fresh workers; export takes the median winner (tails in M, N and K)."""
-    from tuner.compile import CompilePool
-    from tuner.confirm import confirm
-    from tuner.export import export_studies, write_json
+    from tuner.build import CompilePool
+    from tuner.results import write_json
+    from tuner.results.export import export_studies
     from tuner.search import tune
+    from tuner.search.confirm import confirm
     from tuner.space import load_space
 
     space = load_space(Path(__file__).parent.parent / "space.yaml")

@@ -16,12 +16,11 @@ import pytest
 from proposer.client import ChatClient
 from proposer.evidence import gather
 from proposer.loop import list_proposals, run_rounds
-from proposer.validate import render_sandboxed, static_check
-from tuner.bench import Measurement, variant_key
+from proposer.validate import static_check
+from tuner.build.sandbox import render_sandboxed
 from tuner.errors import UserError
-from tuner.shapes import parse_shape
-from tuner.space import load_space
-from tuner.target import target_for_arch
+from tuner.measure import CompareReply, Measurement, variant_key
+from tuner.space import load_space, parse_shape, target_for_arch
 
 ROOT = Path(__file__).resolve().parent.parent
 WMMA = (ROOT / "templates" / "wmma.cu.j2").read_text()
@@ -108,7 +107,7 @@ def server():
 def study(tmp_path_factory):
     """A study of real (replayed) H200 measurements: the evidence a prompt reports, and the
     study that no proposal may disturb."""
-    from tuner.bench import ReplayBackend
+    from tuner.measure import ReplayBackend
     from tuner.search import tune
 
     storage = f"sqlite:///{tmp_path_factory.mktemp('study')}/main.db"
@@ -119,7 +118,7 @@ def study(tmp_path_factory):
 
 
 def snapshot(storage: str) -> list[tuple]:
-    from tuner.export import load_studies
+    from tuner.search import load_studies
 
     return [(st.study_name, t.number, t.state.name, t.value, t.user_attrs.get("status"))
             for st in load_studies(storage) for t in st.get_trials()]
@@ -227,11 +226,11 @@ class StandIn:
         return Measurement("ok", times_us={variant_key(v): t for v in req.variants}, baselines_us={"cublas": 50.0},
                            simulated=True, gpu="stand-in")
 
-    def compare(self, shape, candidates, timeout_s: float = 300.0, modes=None, torch: bool = True) -> dict:
+    def compare(self, shape, candidates, timeout_s: float = 300.0, modes=None, torch: bool = True) -> CompareReply:
         self.compared.append(candidates)
         speed = self.child_speed
-        return {"status": "ok", "times": {"parent": 101.0, "child": 101.0 * speed, "cublas": 50.0},
-                "verify": {name: {"ok": True} for name in candidates}}
+        return CompareReply(times={"parent": 101.0, "child": 101.0 * speed, "cublas": 50.0},
+                            verify={name: {"ok": True} for name in candidates})
 
 
 @pytest.mark.nvcc
@@ -247,7 +246,7 @@ def test_a_winning_child_becomes_a_family_version(server, tmp_path, study):
     assert lineage["parent"] == "wmma" and lineage["reply"] == REPLIES["good"] and "Knobs (" in lineage["prompt"]
     assert lineage["metrics"]["shapes"][0]["child_us"] < lineage["metrics"]["shapes"][0]["parent_us"]
     # The version is a family of its own: its space file loads and renders with the new knob.
-    from tuner.render import render
+    from tuner.build import render
 
     fam = load_space(versions / "wmma_v2.yaml").family("wmma_v2")
     assert fam.knobs["UNROLL_HINT"].values == (1, 2)
@@ -274,7 +273,7 @@ def test_a_child_that_does_not_win_is_not_kept(server, tmp_path, speed, wrong, s
 def test_wrong_kernel_fails_verification(server, tmp_path, study):
     """On the GPU: a child that compiles but adds 1 to some outputs is caught by the pipeline's
     verification, recorded as such, and nothing else is disturbed."""
-    from tuner.bench import GpuBackend
+    from tuner.measure import GpuBackend
 
     before = snapshot(study)
     backend = GpuBackend(log_path=tmp_path / "worker.log")
@@ -328,14 +327,14 @@ def test_cli_propose_then_proposals(server, tmp_path):
 
 @pytest.mark.nvcc
 def test_the_shipped_cute_sm80_proposal_applies_and_compiles():
-    """benchmarks/proposals/cute_sm80_epi_fast.md (the H200 demo's reply) against today's template:
+    """tests/data/proposals/cute_sm80_epi_fast.md (the H200 demo's reply) against today's template:
     it applies, renders in the sandbox, passes the static checks and compiles, on an odd tile too."""
     from proposer.edits import apply, parse_reply
     from proposer.loop import _new_knobs
-    from tuner.compile import CompilePool
+    from tuner.build import CompilePool
 
     fam = load_space(ROOT / "space.yaml").family("cute_sm80")
-    prop = parse_reply((ROOT / "benchmarks" / "proposals" / "cute_sm80_epi_fast.md").read_text())
+    prop = parse_reply((ROOT / "tests" / "data" / "proposals" / "cute_sm80_epi_fast.md").read_text())
     template = apply((ROOT / "templates" / "cute_sm80.cu.j2").read_text(), prop)
     knobs, new = _new_knobs(fam, prop.knobs)
     assert new == {"EPI_FAST": [1]} and knobs["EPI_FAST"].default == 0
@@ -364,7 +363,7 @@ def test_a_child_failing_to_render_at_some_knob_values_fails_that_trial_only(tmp
     import optuna
 
     from proposer.loop import _Ctx, _new_knobs, _tune_against_parent
-    from tuner.export import load_studies
+    from tuner.search import load_studies
 
     space = load_space(ROOT / "space.yaml")
     fam = space.family("wmma")

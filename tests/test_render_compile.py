@@ -5,10 +5,9 @@ import re
 
 import pytest
 
-from tuner.compile import compile_source
+from tuner.build import compile_source, render, source_hash
 from tuner.errors import UserError
-from tuner.render import render, source_hash
-from tuner.shapes import parse_shape
+from tuner.space import parse_shape
 
 BIG = parse_shape("4096x4096x8192")
 
@@ -130,7 +129,7 @@ def test_cute_sm90_four_cta_clusters_ask_the_driver_how_many_fit(space):
 
 
 def test_cute_sm90_timeline_stamps_render_only_for_the_probe(space):
-    """TIMELINE (benchmarks/timeline_probe.py only) wraps the kernel in per-CTA clock stamps and
+    """TIMELINE (a diagnostic build, never a tuned kernel) wraps the kernel in per-CTA clock stamps and
     our producer loop; no tuned kernel ever carries them: the plain render launches CUTLASS's
     kernel as it is."""
     fam = space.family("cute_sm90")
@@ -153,7 +152,7 @@ def test_broken_template_is_a_user_error(space, tmp_path):
 def test_python_error_inside_a_template_is_a_render_error(space, tmp_path):
     """A Python exception raised while rendering (here ZeroDivisionError at PAD=0) is a RenderError
     naming the knob values, not a crash; other values still render."""
-    from tuner.render import RenderError
+    from tuner.build import RenderError
 
     (tmp_path / "wmma.cu.j2").write_text("{{ 64 // PAD }}\n")
     fam = space.family("wmma")
@@ -169,7 +168,7 @@ def test_untrusted_template_renders_in_the_bounded_child(space, tmp_path):
     gives the same source as an in-process render."""
     import dataclasses
 
-    from tuner.render import RenderError
+    from tuner.build import RenderError
 
     bomb, benign = tmp_path / "bomb", tmp_path / "benign"
     bomb.mkdir()
@@ -209,10 +208,9 @@ def test_broken_family_compile_error_is_a_failed_trial(tmp_path):
     """A kernel that does not compile fails its trial with nvcc's message; nothing stops."""
     from pathlib import Path
 
-    from tuner.compile import CompilePool
-    from tuner.search import finish, prepare
-    from tuner.space import load_space
-    from tuner.target import target_for_arch
+    from tuner.build import CompilePool
+    from tuner.search.compile_queue import finish, prepare
+    from tuner.space import load_space, target_for_arch
 
     space = load_space(Path(__file__).parent / "data" / "space_broken.yaml")
     fam = space.family("broken")
@@ -235,7 +233,7 @@ def test_compile_pool_runs_one_job_for_one_source_in_flight(tmp_path, monkeypatc
     only in run-time knobs); another arch is another job; once done, a submit starts anew."""
     import threading
 
-    from tuner import compile as compile_mod
+    from tuner.build import compile as compile_mod
 
     release, calls = threading.Event(), []
 

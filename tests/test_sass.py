@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tuner.compile import compile_source
-from tuner.render import render
-from tuner.sass import dump_sass, opcode_counts, static_shared_bytes
-from tuner.shapes import parse_shape
+from tuner.build import compile_source, render
+from tuner.build.sass import dump_sass, opcode_counts, static_shared_bytes
+from tuner.space import parse_shape
 
 pytestmark = pytest.mark.nvcc
 BIG = parse_shape("4096x4096x8192")

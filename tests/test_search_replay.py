@@ -11,10 +11,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tuner.bench import ReplayBackend
-from tuner.export import best_trial, export_studies, study_stats
-from tuner.search import tune
-from tuner.shapes import parse_shape
+from tuner.measure import ReplayBackend
+from tuner.results.export import export_studies
+from tuner.search import best_trial, study_stats, tune
+from tuner.space import parse_shape
 
 DATA = Path(__file__).resolve().parent / "data"
 REPLAY = DATA / "replay_4096x4096x8192.jsonl"
@@ -73,7 +73,7 @@ def test_tune_resume_and_export(space, replay, tmp_path):
 
 
 def test_unrecorded_config_is_not_invented(space, replay):
-    from tuner.search import finish, prepare
+    from tuner.search.compile_queue import finish, prepare
 
     fam = space.family("cute_sm80")
     cfg = fam.compile_config(fam.defaults() | {"BM": 96, "BN": 96, "WARP_M": 2, "WARP_N": 2, "STAGES": 5,
@@ -116,7 +116,7 @@ def test_cli_replay_run_writes_json(tmp_path):
 
 def test_export_schema_rejects_damaged_files(tmp_path, space, replay):
     from tuner.errors import UserError
-    from tuner.export import read_json, validate, write_json
+    from tuner.results import read_json, validate, write_json
 
     study = tune(space, ["cute_sm80"], SHAPE, replay, trials=8, storage=f"sqlite:///{tmp_path}/e.db", seed=0)
     data = export_studies([study])
@@ -145,8 +145,8 @@ def test_invalid_configs_are_pruned_so_tpe_learns_the_constraints(space, replay,
 def test_random_valid_config_is_valid_and_new(space, h200):
     import random
 
-    from tuner.bench import config_key
-    from tuner.search import random_valid_config
+    from tuner.measure import config_key
+    from tuner.search.sampler import random_valid_config
 
     fam = space.family("cute_sm90")
     shape = parse_shape("64x8192x4096")
@@ -190,7 +190,8 @@ def test_a_config_measured_on_other_code_is_measured_again(space, replay, tmp_pa
     """A resumed study after a template change: a config whose stored trial ran other code (its
     source hash differs from what the template renders now) is measured again, not skipped as a
     duplicate; one measured on the same code still is a duplicate."""
-    from tuner.search import _key_of, current_ok, evaluated_trials, trial_params
+    from tuner.search import current_ok, evaluated_trials
+    from tuner.search.sampler import _key_of, trial_params
 
     storage = f"sqlite:///{tmp_path}/s.db"
     study = tune(space, ["cute_sm80"], SHAPE, replay, trials=6, storage=storage, seed=0)
@@ -220,7 +221,8 @@ def test_a_config_measured_on_other_code_is_measured_again(space, replay, tmp_pa
 def test_progress_best_drops_a_time_measured_on_older_code(space, replay, tmp_path):
     """The live progress line shows the study's best that still describes its code: once a resumed
     study measures a stale fast trial's config again, its old time is no longer the best shown."""
-    from tuner.search import evaluated_trials, trial_params
+    from tuner.search import evaluated_trials
+    from tuner.search.sampler import trial_params
 
     storage = f"sqlite:///{tmp_path}/s.db"
     study = tune(space, ["cute_sm80"], SHAPE, replay, trials=4, storage=storage, seed=0)
@@ -240,8 +242,8 @@ def test_progress_best_drops_a_time_measured_on_older_code(space, replay, tmp_pa
 def test_a_study_resumed_on_another_gpu_model_measures_again_and_ranks_its_own(space, replay, tmp_path):
     """A config measured on another GPU model is measured again, not taken as a duplicate (picks do not
     carry between cards); the study's best is then taken from this card's trials."""
-    from tuner.export import best_trial, study_stats
-    from tuner.search import evaluated_trials, trial_params
+    from tuner.search import best_trial, evaluated_trials, study_stats
+    from tuner.search.sampler import trial_params
 
     storage = f"sqlite:///{tmp_path}/s.db"
     replay.name = "gpu:Card A"  # as if measured on a GPU of model "Card A"

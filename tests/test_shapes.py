@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tuner.errors import UserError
-from tuner.shapes import Shape, parse_shape
+from tuner.space import Shape, parse_shape
 
 
 def test_parse_and_arithmetic():

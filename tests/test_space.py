@@ -4,8 +4,7 @@ from pathlib import Path
 import pytest
 
 from tuner.errors import UserError
-from tuner.shapes import parse_shape
-from tuner.space import Expr, load_space
+from tuner.space import Expr, load_space, parse_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +106,7 @@ def test_broken_space_files_name_file_line_and_key(tmp_path, broken, needle):
 
 
 def test_seed_when_keeps_a_seed_to_the_shapes_it_names(tmp_path):
-    from tuner.shapes import parse_shape
+    from tuner.space import parse_shape
 
     text = GOOD.replace("    template: wmma.cu.j2",
                         '    template: wmma.cu.j2\n    seeds: [{BM: 64, when: "M <= 64 and N > K"}]')
@@ -121,8 +120,8 @@ def test_seed_when_keeps_a_seed_to_the_shapes_it_names(tmp_path):
 def test_shipped_seeds_for_one_shape_stay_with_it():
     """space.yaml's M = 64 seeds (session 13) are tried first at 64x8192x4096 and its M <= 128 ones
     (session 14) there and at 128x16384x16384, none of them at 4096^3."""
-    from tuner.search import seed_configs
-    from tuner.shapes import parse_shape
+    from tuner.search.sampler import seed_configs
+    from tuner.space import parse_shape
 
     fam = load_space("space.yaml").family("cute_sm90")
     m64 = seed_configs(fam, parse_shape("64x8192x4096"))
@@ -165,7 +164,7 @@ def test_mangled_space_files_load_or_fail_cleanly(tmp_path, drop, junk):
     except UserError as exc:
         assert str(path) in str(exc)
         return
-    from tuner.target import target_for_arch
+    from tuner.space import target_for_arch
 
     for fam in space.families.values():
         try:
@@ -175,7 +174,7 @@ def test_mangled_space_files_load_or_fail_cleanly(tmp_path, drop, junk):
 
 
 def test_accumulate_is_a_problem_choice_not_a_knob(space):
-    from tuner.render import render
+    from tuner.build import render
 
     sm90, wmma = space.family("cute_sm90"), space.family("wmma")
     assert sm90.accumulate == ("fp32", "fp16") and wmma.accumulate == ("fp32",)

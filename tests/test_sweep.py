@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import kill9_after
 
-from tuner.export import load_studies
-from tuner.search import NOT_EVALUATED
+from tuner.search import NOT_EVALUATED, load_studies
 from tuner.space import load_space
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,12 +56,12 @@ def test_interrupted_sweep_resumes_without_repeating_or_losing(tmp_path):
 
 
 def test_warm_start_seeds_from_nearest_tuned_shape(tmp_path):
-    from tuner.cli import _nearest_winners
-    from tuner.shapes import parse_shape
+    from tuner.api import nearest_tuned
+    from tuner.space import parse_shape
 
     res = subprocess.run(sweep_args(tmp_path, 6), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    seeds = _nearest_winners(f"sqlite:///{tmp_path}/sweep.db", parse_shape("4096x4096x4096"), ["cute_sm80", "wmma"])
+    seeds = nearest_tuned(f"sqlite:///{tmp_path}/sweep.db", parse_shape("4096x4096x4096"), ["cute_sm80", "wmma"])
     assert seeds and all(fam in ("cute_sm80", "wmma") for fam, _ in seeds)
 
 

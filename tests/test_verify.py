@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tuner.verify import MMA_K, random_tolerance
+from tuner.measure.verify import MMA_K, random_tolerance
 
 
 def fp16_accumulate(a: np.ndarray, b: np.ndarray, skip_step: int | None = None) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Render one kernel configuration of a family into a self-contained CUDA source."""
+"""Render one kernel configuration of a family into a self-contained CUDA source (Jinja2 sandbox)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import SandboxedEnvironment
 
+from tuner.build.sandbox import render_sandboxed
 from tuner.errors import UserError
 from tuner.space import Family
 
@@ -69,10 +70,8 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
 
 
 def _render_isolated(family: Family, config: dict[str, Any], templates_dir: Path, arch: str, accumulate: str) -> str:
-    """An LLM-written template: rendered by the proposer's sandboxed child (no loader, bounded
-    time and memory), which gives the same source as `render` for the same variables."""
-    from proposer.validate import render_sandboxed
-
+    """An LLM-written template: rendered by the sandboxed child (no loader, bounded time and
+    memory), which gives the same source as `render` for the same variables."""
     path = templates_dir / family.template
     try:
         text = path.read_text()

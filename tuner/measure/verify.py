@@ -18,24 +18,19 @@ from typing import Any
 
 import numpy as np
 
+from tuner.measure.device import cp as _cp
+from tuner.measure.device import sync_or_fault
+
 RANDOM_FACTOR = 2.0     # candidate normwise error may be this many times cuBLAS's
 RANDOM_MAX_FACTOR = 4.0  # and its worst element error this many times cuBLAS's worst
 EXACT_LIMIT = 2048       # fp16 represents every integer up to 2048
 MMA_K = 16               # one wgmma / mma.sync step sums 16 products before rounding into C
 
 
-def _cp():
-    import cupy
-
-    return cupy
-
-
 def _run(launch: Callable, buf, stream) -> None:
-    from tuner.gpu_worker import _sync_or_fault
-
     buf.poison_c()
     launch(buf, stream)
-    _sync_or_fault(stream)
+    sync_or_fault(stream)
 
 
 def _reference(buf):
@@ -162,3 +157,21 @@ def full_check(launch: Callable, cublas: Callable, buf, stream, accumulate: str 
         report.update({k: v for k, v in result.items() if k != "ok"})
     report["guards"] = "intact"
     return report
+
+
+def outputs_match(ref, got, xp=np) -> tuple[bool, dict[str, Any]]:
+    """Does `got` equal `ref` (both M x N fp16 results of the same inputs) within fp16
+    tolerance? |got - ref| <= 2^-8 |ref| + 2^-8 rms(ref) elementwise: two fp32-accumulating
+    GEMMs differ by an ulp or two of rounding (a split-K with fp16 partials by a few), a
+    different computation (a transposed operand or output, unwritten NaN) by O(rms)."""
+    r = ref.astype(xp.float32)
+    g = got.astype(xp.float32)
+    n_nan = int(xp.isnan(g).sum())
+    diff = xp.abs(g - r)
+    rms = float(xp.sqrt(xp.mean(r * r))) if r.size else 0.0
+    tol = 2.0 ** -8 * xp.abs(r) + 2.0 ** -8 * rms
+    bad = int((~(diff <= tol)).sum())  # NaN counts as bad
+    stats = {"bitwise_equal": float((g == r).astype(xp.float32).mean()) if r.size else 1.0,
+             "max_abs_diff": float(xp.nanmax(diff)) if r.size and n_nan < r.size else float("nan"),
+             "rms": rms, "outside_tolerance": bad, "nan": n_nan}
+    return bad == 0, stats

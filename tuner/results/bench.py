@@ -1,13 +1,17 @@
 """`hgemm-tune bench`: re-verify and time every exported kernel against the vendor libraries.
 
-One pipeline stage on plain data. In: an export (tuner.export JSON, schema-validated) and a
+One pipeline stage on plain data. In: an export (tuner.results.schema, validated) and a
 backend whose `compare(shape, candidates, modes=...)` verifies the candidates and times them
 with cuBLAS, cuBLASLt (heuristic and autotuned) and torch.matmul interleaved in random order
-in one worker process (tuner.gpu_worker). Out: one row (a plain dict) per exported kernel and
-timing mode, then CSV, markdown and the geomean speedup per baseline and mode.
+in one worker process (tuner.measure.worker). Out: one row (a plain dict) per exported kernel
+and timing mode, then CSV, markdown and the geomean speedup per baseline and mode.
 
 - offline: per contender a CUDA graph of back-to-back launches (host overhead excluded).
 - server:  single launches, each after an L2 flush and a random idle gap (cold, from idle).
+
+With `repeats` R > 1 every shape is compared R times, each in a fresh worker process (new
+CUDA context, new buffers): a row holds the median times, the median of the per-run ratios
+and their range, and counts as verified only if every run verified it.
 
 A kernel that fails re-verification (or does not build, load or run) is a row that says so
 with the reason; it has no time and never counts as a win. Entries tuned on another GPU (or
@@ -19,20 +23,23 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tuner.errors import UserError
-from tuner.shapes import Shape, parse_shape
+from tuner.measure import CandidateSpec, CompareReply
+from tuner.measure.protocol import MODES
+from tuner.results.entries import entry_build
+from tuner.space import Shape, parse_shape
 
-MODES = ("offline", "server")
 BASELINES = ("cublas", "cublaslt", "cublaslt_auto", "torch")
 LABELS = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "cublaslt_auto": "cuBLASLt-auto", "torch": "torch"}
 ROW_FIELDS = (["shape", "M", "N", "K", "mode", "family", "status", "verified", "reason",
                "ours_us", "ours_tflops", "roofline_pct"]
               + [f"{b}_us" for b in BASELINES] + [f"speedup_{b}" for b in BASELINES]
-              + ["export_us", "pick", "knobs", "notes"])
+              + ["speedup_cublas_min", "speedup_cublas_max", "runs", "export_us", "pick", "knobs", "notes"])
 GEOMEAN_FIELDS = ["mode", "baseline", "geomean_speedup", "n", "wins", "ok_rows"]
 # A time under the roofline (datasheet peak / bandwidth) by more than this is a measurement bug.
 ROOFLINE_SLACK = 0.98
@@ -67,7 +74,7 @@ def select_entries(data: dict[str, Any], target) -> tuple[list[dict], list[dict]
 
 
 class Builder:
-    """Export entry -> the GPU worker's candidate {cubin, launch, variant}, compiled in a pool.
+    """Export entry -> the GPU worker's CandidateSpec, compiled in a pool.
 
     `submit(entry)` starts the compile and returns a thunk; calling it waits and returns
     (candidate, warnings) or raises UserError with the reason the kernel cannot run."""
@@ -75,9 +82,7 @@ class Builder:
     def __init__(self, space, target, pool):
         self.space, self.target, self.pool = space, target, pool
 
-    def submit(self, entry: dict[str, Any]) -> Callable[[], tuple[dict, list[str]]]:
-        from tuner.loader import entry_build
-
+    def submit(self, entry: dict[str, Any]) -> Callable[[], tuple[CandidateSpec, list[str]]]:
         try:
             build = entry_build(self.space, entry, self.target)
             fam = self.space.family(build.family)
@@ -87,7 +92,7 @@ class Builder:
         except UserError as exc:
             err = str(exc)
 
-            def failed() -> tuple[dict, list[str]]:
+            def failed() -> tuple[CandidateSpec, list[str]]:
                 raise UserError(err)
 
             return failed
@@ -95,12 +100,12 @@ class Builder:
         warnings = [f"{build.template} changed since this entry was tuned: today's template is measured"
                     ] if build.template_changed else []
 
-        def wait() -> tuple[dict, list[str]]:
+        def wait() -> tuple[CandidateSpec, list[str]]:
             res = future.result()
             if not res.ok:
                 first = (res.error or "").strip().splitlines()[:2]
                 raise UserError(f"does not compile: {' '.join(first)}")
-            return {"cubin": res.cubin, "launch": build.launch, "variant": build.variant}, warnings
+            return CandidateSpec(res.cubin, build.launch, build.variant), warnings
 
         return wait
 
@@ -113,20 +118,37 @@ def _base_row(entry: dict[str, Any], mode: str) -> dict[str, Any]:
     return row
 
 
-def _times(reply: dict[str, Any], mode: str) -> dict[str, float]:
-    by_mode = reply.get("times_by_mode")
-    if by_mode is not None:
-        return by_mode.get(mode) or {}
-    return reply.get("times", {}) if mode == "offline" else {}  # an older worker: offline only
+def _run_outcome(name: str, reply: CompareReply, mode: str, roof_us: float) -> tuple[str, str | None, float | None]:
+    """One run's verdict on one candidate: (status, reason, our time)."""
+    if not reply.ok:
+        return "failed", f"{reply.kind or reply.status}: {reply.reason}", None
+    report = reply.verify.get(name)
+    if not report or not report.get("ok"):
+        report = report or {}
+        why = report.get("reason", "no verification report came back")
+        return "failed", f"{report.get('kind', 'wrong')}: {why}", None
+    ours = reply.times_in(mode).get(name)
+    if ours is None:
+        return "not_timed", reply.notes.get(name, "verified, but no time came back"), None
+    if ours < roof_us * ROOFLINE_SLACK:
+        return "rejected", f"{ours:.2f} us is under the roofline ({roof_us:.2f} us): a measurement bug", ours
+    return "ok", None, ours
 
 
-def shape_rows(entries: dict[str, dict], reply: dict[str, Any], modes: list[str], target,
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v]
+    return statistics.median(vals) if vals else None
+
+
+def shape_rows(entries: dict[str, dict], replies: list[CompareReply], modes: list[str], target,
                failed: dict[str, str] | None = None, warnings: dict[str, list[str]] | None = None) -> list[dict]:
-    """Rows for one shape from one compare reply. `entries`: candidate name -> export entry;
-    `failed`: candidate name -> why it never reached the GPU (build/compile)."""
+    """Rows for one shape from its compare replies (one per run). `entries`: candidate name ->
+    export entry; `failed`: candidate name -> why it never reached the GPU (build/compile)."""
     failed = failed or {}
     warnings = warnings or {}
-    notes = {k: v for k, v in (reply.get("notes") or {}).items()}
+    notes: dict[str, str] = {}
+    for reply in replies:
+        notes.update(reply.notes)
     baseline_notes = [f"{LABELS[b]}: {notes[b]}" for b in BASELINES if b in notes]
     rows = []
     for name, entry in entries.items():
@@ -134,31 +156,30 @@ def shape_rows(entries: dict[str, dict], reply: dict[str, Any], modes: list[str]
         roof_us = target.roofline_us(shape.flops, shape.min_bytes)
         for mode in modes:
             row = _base_row(entry, mode)
-            times = _times(reply, mode) if reply.get("status") == "ok" else {}
+            row["runs"] = len(replies)
+            runs = [reply.times_in(mode) if reply.ok else {} for reply in replies]
             for b in BASELINES:
-                row[f"{b}_us"] = times.get(b)
+                row[f"{b}_us"] = _median([t.get(b) for t in runs])
             row["notes"] = "; ".join(warnings.get(name, []) + baseline_notes)
-            report = (reply.get("verify") or {}).get(name)
-            ours = times.get(name)
+            outcomes = [_run_outcome(name, reply, mode, roof_us) for reply in replies]
+            bad = next((o for o in outcomes if o[0] != "ok"), None)
             if name in failed:
                 row.update(status="failed", reason=failed[name])
-            elif reply.get("status") != "ok":
-                row.update(status="failed", reason=f"{reply.get('kind') or reply.get('status')}: {reply.get('reason')}")
-            elif not report or not report.get("ok"):
-                report = report or {}
-                row.update(status="failed", reason=f"{report.get('kind', 'wrong')}: "
-                                                   f"{report.get('reason', 'no verification report came back')}")
-            elif ours is None:
-                row.update(status="not_timed", verified=True, reason=notes.get(name, "verified, but no time came back"))
-            elif ours < roof_us * ROOFLINE_SLACK:
-                row.update(status="rejected", verified=True, ours_us=ours,
-                           reason=f"{ours:.2f} us is under the roofline ({roof_us:.2f} us): a measurement bug")
+            elif not replies:
+                row.update(status="failed", reason="not measured")
+            elif bad is not None:
+                status, reason, ours = bad
+                row.update(status=status, reason=reason, verified=status in ("not_timed", "rejected"), ours_us=ours)
             else:
+                ours = statistics.median(o[2] for o in outcomes)
                 row.update(status="ok", verified=True, ours_us=ours, ours_tflops=shape.tflops(ours),
                            roofline_pct=100.0 * roof_us / ours)
                 for b in BASELINES:
-                    if row[f"{b}_us"]:
-                        row[f"speedup_{b}"] = row[f"{b}_us"] / ours
+                    ratios = [t[b] / o[2] for t, o in zip(runs, outcomes, strict=True) if t.get(b)]
+                    if ratios:
+                        row[f"speedup_{b}"] = statistics.median(ratios)
+                        if b == "cublas":
+                            row["speedup_cublas_min"], row["speedup_cublas_max"] = min(ratios), max(ratios)
             rows.append(row)
     return rows
 
@@ -181,11 +202,12 @@ def geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
 
 
 def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, torch: bool = True,
-                  timeout_s: float = 900.0,
+                  timeout_s: float = 900.0, repeats: int = 1,
                   on_shape: Callable[[int, int, str, list[dict]], None] | None = None) -> dict[str, Any]:
-    """Every entry of `data` for this GPU: build, then per shape one `backend.compare` of all
-    its kernels with the baselines in `modes`. Returns plain data: rows, geomeans, skipped
-    entries and the worker's notes per shape."""
+    """Every entry of `data` for this GPU: build, then per shape `repeats` runs of one
+    `backend.compare` of all its kernels with the baselines in `modes` (each run after the
+    first in a fresh worker). Returns plain data: rows, geomeans, skipped entries and the
+    worker's notes per shape."""
     target = backend.target
     entries, skipped = select_entries(data, target)
     groups: dict[str, list[dict]] = {}
@@ -204,39 +226,42 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
                 candidates[name], warnings[name] = build_of[id(e)]()
             except UserError as exc:
                 failed[name] = f"build: {exc}"
-        reply = _compare(backend, shape, candidates, modes, torch, timeout_s) if candidates else {
-            "status": "ok", "verify": {}, "times_by_mode": {}, "notes": {}}
-        notes[shape_s] = dict(reply.get("notes") or {})
-        new = shape_rows(named, reply, modes, target, failed, warnings)
+        replies = []
+        for r in range(repeats if candidates else 0):
+            if r:
+                backend.restart()  # a fresh worker: one allocation's luck is not every run's
+            replies.append(_compare(backend, shape, candidates, modes, torch, timeout_s))
+        notes[shape_s] = {k: v for reply in replies for k, v in reply.notes.items()}
+        new = shape_rows(named, replies, modes, target, failed, warnings)
         rows.extend(new)
         if on_shape:
             on_shape(i, len(groups), shape_s, new)
     return {"gpu": target.name, "arch": target.arch, "backend": getattr(backend, "name", ""),
-            "modes": list(modes), "rows": rows, "geomeans": geomeans(rows, modes), "skipped": skipped,
-            "notes": notes, "entries": len(data["entries"]), "simulated": bool(getattr(backend, "simulated", False))}
+            "modes": list(modes), "repeats": repeats, "rows": rows, "geomeans": geomeans(rows, modes),
+            "skipped": skipped, "notes": notes, "entries": len(data["entries"]),
+            "simulated": bool(getattr(backend, "simulated", False))}
 
 
-def _compare(backend, shape: Shape, candidates: dict[str, dict], modes: list[str], torch: bool,
-             timeout_s: float) -> dict[str, Any]:
+def _compare(backend, shape: Shape, candidates: dict[str, CandidateSpec], modes: list[str], torch: bool,
+             timeout_s: float) -> CompareReply:
     """One compare; if it fails as a whole (a fault restarts the worker), each candidate alone,
     so one bad kernel does not take the others' rows with it."""
     reply = backend.compare(shape, candidates, timeout_s=timeout_s, modes=modes, torch=torch)
-    if reply.get("status") == "ok" or len(candidates) < 2:
+    if reply.ok or len(candidates) < 2:
         return reply
-    merged: dict[str, Any] = {"status": "ok", "verify": {}, "times_by_mode": {m: {} for m in modes},
-                              "notes": {}}
+    merged = CompareReply(modes=list(modes), times_by_mode={m: {} for m in modes})
     for name, cand in candidates.items():
         one = backend.compare(shape, {name: cand}, timeout_s=timeout_s, modes=modes, torch=torch)
-        if one.get("status") != "ok":
-            merged["verify"][name] = {"ok": False, "kind": one.get("kind") or one.get("status"),
-                                      "reason": f"compare failed: {one.get('reason')}"}
+        if not one.ok:
+            merged.verify[name] = {"ok": False, "kind": one.kind or one.status,
+                                   "reason": f"compare failed: {one.reason}"}
             continue
-        merged["verify"].update(one.get("verify", {}))
-        merged["notes"].update(one.get("notes", {}))
+        merged.verify.update(one.verify)
+        merged.notes.update(one.notes)
         for m in modes:
-            for k, v in _times(one, m).items():
-                if k == name or k not in merged["times_by_mode"][m]:
-                    merged["times_by_mode"][m][k] = v  # baselines: from the first run that timed them
+            for k, v in one.times_in(m).items():
+                if k == name or k not in merged.times_by_mode[m]:
+                    merged.times_by_mode[m][k] = v  # baselines: from the first run that timed them
     return merged
 
 
@@ -270,6 +295,14 @@ def _verified(row: dict) -> str:
     return f"{label}: {row['reason']}".replace("|", "\\|")
 
 
+def _speedup_cell(row: dict, baseline: str) -> str:
+    """The median ratio; over several runs, cuBLAS's with the range of the per-run ratios."""
+    text = _f(row[f"speedup_{baseline}"], ".3f")
+    if baseline == "cublas" and (row.get("runs") or 1) > 1 and row.get("speedup_cublas_min") is not None:
+        text += f" ({row['speedup_cublas_min']:.3f}-{row['speedup_cublas_max']:.3f})"
+    return text
+
+
 def geomean_text(g: dict) -> str:
     if g["geomean_speedup"] is None:
         return "-"
@@ -289,6 +322,9 @@ def markdown(result: dict[str, Any], source: str = "") -> str:
     if "offline" in modes:
         lines.append("- offline: per contender a CUDA graph of back-to-back launches; median of 7 interleaved "
                      "replays.")
+    if result.get("repeats", 1) > 1:
+        lines.append(f"- {result['repeats']} runs, each in a fresh worker process: median times, median of the "
+                     "per-run ratios (vs cuBLAS: with their range); a row counts only if every run verified it.")
     if "server" in modes:
         lines.append("- server: single launches (one-launch CUDA graphs), each after an L2 flush (a buffer of "
                      "2x the L2 overwritten) and a random 20-500 us idle gap; median.")
@@ -300,7 +336,7 @@ def markdown(result: dict[str, Any], source: str = "") -> str:
         cells = [r["shape"], r["mode"], r["family"], _f(r["ours_us"], ".2f"), _f(r["ours_tflops"], ".1f"),
                  _f(r["roofline_pct"], ".1f")]
         cells += [_f(r[f"{b}_us"], ".2f") for b in BASELINES]
-        cells += [_f(r[f"speedup_{b}"], ".3f") for b in BASELINES]
+        cells += [_speedup_cell(r, b) for b in BASELINES]
         cells.append(_verified(r))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if not result["rows"]:

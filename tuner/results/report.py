@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tuner.benchmark import geomean
+from tuner.results.bench import geomean
 
 
 def frame(data: dict[str, Any]) -> pd.DataFrame:

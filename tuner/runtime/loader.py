@@ -9,55 +9,20 @@ vendor library, fall back to cuBLAS.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tuner.build import compile_source
 from tuner.errors import UserError
-from tuner.export import read_json
-from tuner.render import render, template_hash
-from tuner.shapes import Shape, parse_shape
-from tuner.space import Space, load_space
-
-DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "space.yaml"
-
-
-@dataclass
-class EntryBuild:
-    """What one export entry needs to run on a target: the CUDA source to compile, the kind of
-    binary, how the GPU worker launches it, and the run-time knobs it passes."""
-
-    family: str
-    template: str
-    config: dict[str, Any]      # every knob, compile-time and run-time
-    variant: dict[str, Any]     # the run-time knobs (kernel arguments)
-    source: str
-    artifact: str               # cubin | library
-    launch: dict[str, Any]      # tuner.search.launch_spec for the entry's shape on the target
-    template_changed: bool      # the template differs from the one the entry was tuned with
-
-
-def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
-    """An export entry (tuner.export.entry) -> source, launch and variant for `target`.
-
-    Shared by the loader (`load(...)`) and `hgemm-tune bench`. Raises UserError when the
-    family or a knob is not in the space any more."""
-    from tuner.search import launch_spec
-
-    fam = space.family(entry["family"])
-    config = fam.complete_stored(entry["knobs"])  # older exports carry ACCUM: it is `accumulate` now
-    shape = parse_shape(entry["shape"])
-    changed = bool(entry.get("template_hash")) and template_hash(fam) != entry["template_hash"]
-    return EntryBuild(family=fam.name, template=fam.template, config=config,
-                      variant=fam.runtime_config(config),
-                      source=render(fam, config, target.arch, accumulate=entry.get("accumulate", "fp32")),
-                      artifact=fam.artifact,
-                      launch=launch_spec(fam, config, shape, target), template_changed=changed)
+from tuner.results.entries import entry_build
+from tuner.results.schema import read_json
+from tuner.space import Shape, arch_for_cc, load_space, target_from_device
 
 
 class Gemm:
-    def __init__(self, path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32",
+    def __init__(self, path: str | Path, space_file: str | Path | None = None, accumulate: str = "fp32",
                  pdl: bool = False):
         self.data = read_json(path)
         self.pdl = pdl
@@ -71,8 +36,6 @@ class Gemm:
     def _arch(self) -> str:
         import cupy
 
-        from tuner.target import arch_for_cc
-
         cc = cupy.cuda.Device().compute_capability  # e.g. "90"
         return arch_for_cc(int(cc[:-1]), int(cc[-1]))
 
@@ -80,9 +43,7 @@ class Gemm:
         """(function, launch) for this shape on this GPU, or None for the cuBLAS fallback."""
         import cupy
 
-        from tuner.compile import compile_source
-        from tuner.gpu_worker import load_candidate
-        from tuner.target import target_from_device
+        from tuner.measure.candidates import load_candidate
 
         arch = self._arch()
         key = (str(shape), arch)
@@ -102,7 +63,7 @@ class Gemm:
         if not res.ok:
             raise UserError(f"exported kernel for {shape} does not compile: {res.error}")
         # pdl: library kernels launch with programmatic dependent launch (cubin kernels ignore it)
-        kernel = load_candidate(res.cubin, build.launch | {"pdl": self.pdl})
+        kernel = load_candidate(res.cubin, dataclasses.replace(build.launch, pdl=self.pdl))
         self._kernels[key] = (kernel, build.variant)
         return self._kernels[key]
 
@@ -131,12 +92,13 @@ class Gemm:
         return c
 
 
-def load(path: str | Path, space_file: str | Path = DEFAULT_SPACE, accumulate: str = "fp32",
+def load(path: str | Path, space_file: str | Path | None = None, accumulate: str = "fp32",
          pdl: bool = False) -> Gemm:
     """The exported kernels of `path` as a callable: gemm(A, B) -> C = A @ B.T (fp16).
+    space_file: the space the kernels' families come from (default: the packaged space.yaml).
     accumulate="fp16" picks the file's fp16-accumulate entries instead. pdl=True launches the
     Hopper (cute_sm90) kernels with programmatic dependent launch: each may be scheduled while
     the kernel before it on the stream drains, and waits for that kernel's writes before it
     touches memory, so it is safe after any kernel. Measure before keeping it: on an H200 it
-    made some pingpong kernels slower (128x16384x16384 by a third; NOTES.md, session 6)."""
+    made some pingpong kernels slower (128x16384x16384 by a third; docs/decisions)."""
     return Gemm(path, space_file, accumulate, pdl)

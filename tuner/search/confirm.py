@@ -21,10 +21,11 @@ from typing import Any
 
 import optuna
 
+from tuner.build import RenderError, render
 from tuner.errors import UserError
-from tuner.render import RenderError, render
-from tuner.search import compare_candidate, current_ok, gpu_model, stored_config
-from tuner.shapes import parse_shape
+from tuner.measure import CandidateSpec, CompareReply, candidate_spec
+from tuner.search.records import StudyMeta, TrialRecord, confirm_record, store_confirm_record
+from tuner.search.studies import current_ok, gpu_model
 
 VENDORS = ("cublas", "cublaslt", "cublaslt_auto")
 
@@ -54,7 +55,8 @@ def distinct_best(trials: Iterable[optuna.trial.FrozenTrial], k: int,
     ok = current_ok(trials, gpu)
     seen, out = set(), []
     for t in sorted(ok, key=lambda t: t.value):
-        key = t.user_attrs["family"] + json.dumps(complete(t) if complete else stored_config(t), sort_keys=True)
+        key = TrialRecord.of(t).family + json.dumps(complete(t) if complete else TrialRecord.of(t).kernel,
+                                                    sort_keys=True)
         if key not in seen:
             seen.add(key)
             out.append(t)
@@ -62,17 +64,18 @@ def distinct_best(trials: Iterable[optuna.trial.FrozenTrial], k: int,
 
 
 def _full_config(space, t: optuna.trial.FrozenTrial) -> dict[str, Any]:
-    return space.family(t.user_attrs["family"]).complete_stored(stored_config(t))
+    rec = TrialRecord.of(t)
+    return space.family(rec.family).complete_stored(rec.kernel)
 
 
-def build_candidates(space, trials: list, shape, target, pool) -> tuple[dict[str, dict], dict[str, str]]:
+def build_candidates(space, trials: list, shape, target, pool) -> tuple[dict[str, CandidateSpec], dict[str, str]]:
     """Render and compile each trial's kernel with today's templates: ({'#N': candidate}, {'#N': why not})
     where N is the trial number and a candidate is what `backend.compare` takes."""
     futures, failed = {}, {}
     for t in trials:
         name = f"#{t.number}"
         try:
-            fam = space.family(t.user_attrs["family"])
+            fam = space.family(TrialRecord.of(t).family)
             config = _full_config(space, t)
             why = fam.violations(config, shape, target)
             if why:
@@ -86,28 +89,28 @@ def build_candidates(space, trials: list, shape, target, pool) -> tuple[dict[str
         if not res.ok:
             failed[name] = "does not compile: " + " ".join((res.error or "").strip().splitlines()[:2])
             continue
-        candidates[name] = compare_candidate(fam, config, shape, target, res.cubin)
+        candidates[name] = candidate_spec(fam, config, shape, target, res.cubin)
     return candidates, failed
 
 
-def summarize(trials: list, runs: list[dict], failed: dict[str, str], gpu: str) -> dict[str, Any]:
+def summarize(trials: list, runs: list[CompareReply], failed: dict[str, str], gpu: str) -> dict[str, Any]:
     """Compare replies (one per run) -> the confirmation record: per kernel its run times and
     medians, and the winner (lowest median among those verified and timed in every run)."""
     kernels = []
     for t in trials:
         name = f"#{t.number}"
-        k: dict[str, Any] = {"trial": t.number, "family": t.user_attrs["family"], "in_study_us": t.value,
+        k: dict[str, Any] = {"trial": t.number, "family": TrialRecord.of(t).family, "in_study_us": t.value,
                              "times_us": [], "vendors_us": [], "verified": name not in failed,
                              "reason": failed.get(name)}
         for reply in runs:
-            if reply.get("status") != "ok":
-                k["verified"], k["reason"] = False, k["reason"] or f"run failed: {reply.get('reason')}"
+            if not reply.ok:
+                k["verified"], k["reason"] = False, k["reason"] or f"run failed: {reply.reason}"
                 continue
-            verdict = reply["verify"].get(name, {"ok": False, "reason": "not measured"})
+            verdict = reply.verify.get(name, {"ok": False, "reason": "not measured"})
             if not verdict["ok"]:
                 k["verified"], k["reason"] = False, k["reason"] or verdict.get("reason")
-            k["times_us"].append(reply["times"].get(name) if verdict["ok"] else None)
-            k["vendors_us"].append({v: reply["times"].get(v) for v in VENDORS})
+            k["times_us"].append(reply.times.get(name) if verdict["ok"] else None)
+            k["vendors_us"].append({v: reply.times.get(v) for v in VENDORS})
         timed = k["verified"] and bool(runs) and all(k["times_us"])
         paired = PairedRuns(k["times_us"], k["vendors_us"])
         k["median_us"] = paired.median() if timed else None
@@ -126,11 +129,11 @@ def summarize(trials: list, runs: list[dict], failed: dict[str, str], gpu: str) 
 def confirmable(study: optuna.Study, backend) -> bool:
     """Whether confirming means anything here: real measurements (not replayed), and fp32
     accumulation (the vendors are timed with it only; see GpuBackend.compare)."""
-    return not backend.simulated and study.user_attrs.get("accumulate", "fp32") == "fp32"
+    return not backend.simulated and StudyMeta.of(study).accumulate == "fp32"
 
 
 def confirm(space, study: optuna.Study, backend, pool, *, top: int = 3, runs: int = 3,
-            on_run: Callable[[int, dict], None] | None = None) -> dict[str, Any] | None:
+            on_run: Callable[[int, CompareReply], None] | None = None) -> dict[str, Any] | None:
     """Re-time the study's `top` best kernels in `runs` fresh worker runs; store and return the
     record (None when there is nothing to confirm: no verified trial, or not `confirmable`)."""
     if top < 1 or runs < 1 or not confirmable(study, backend):
@@ -140,12 +143,12 @@ def confirm(space, study: optuna.Study, backend, pool, *, top: int = 3, runs: in
         try:
             return _full_config(space, t)
         except UserError:  # a family the space no longer has: compared as stored
-            return stored_config(t)
+            return TrialRecord.of(t).kernel
 
     trials = distinct_best(study.get_trials(deepcopy=False), top, complete, gpu_model(getattr(backend, "name", None)))
     if not trials:
         return None
-    shape = parse_shape(study.user_attrs["shape"])
+    shape = StudyMeta.of(study).shape_record
     candidates, failed = build_candidates(space, trials, shape, backend.target, pool)
     replies = []
     for i in range(runs if candidates else 0):
@@ -155,7 +158,7 @@ def confirm(space, study: optuna.Study, backend, pool, *, top: int = 3, runs: in
         if on_run:
             on_run(i, reply)
     record = summarize(trials, replies, failed, backend.name)
-    study.set_user_attr("confirm", record)
+    store_confirm_record(study, record)
     return record
 
 
@@ -164,7 +167,7 @@ def confirmation(study: optuna.Study, in_study_best: optuna.trial.FrozenTrial | 
     the study's current best; a study resumed past it is confirmed again by the next `tune`,
     and until then its in-study best is exported as measured in the study): the winner's, or,
     when no kernel passed every run, the in-study best's, which says why it failed."""
-    record = study.user_attrs.get("confirm")
+    record = confirm_record(study)
     if not record or in_study_best is None:
         return None
     kernels = {k["trial"]: k for k in record["kernels"]}

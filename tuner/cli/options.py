@@ -1,0 +1,40 @@
+"""Every command-line option, declared once (typer `Annotated` aliases shared by the commands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tuner.api import DEFAULT_STORAGE
+
+Storage = Annotated[str, typer.Option("--storage", help="Optuna storage: sqlite:///F, postgresql://..., journal:F.")]
+SpaceFile = Annotated[Path | None, typer.Option(
+    "--space", help="Search-space file (families, knobs, constraints); default: the packaged space.yaml.")]
+Families = Annotated[str | None, typer.Option("--families", "-f", help="Comma list (default: all for this GPU).")]
+Sampler = Annotated[str, typer.Option("--sampler", help="tpe | random | gp | cmaes | grid.")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Sampler seed, for reproducible searches.")]
+Timeout = Annotated[float | None, typer.Option("--timeout", help="Stop asking for new trials after this many seconds.")]
+Backend = Annotated[str, typer.Option(
+    "--backend", help="gpu: measure on this machine's GPU; replay: recorded measurements (no GPU; SIMULATED).")]
+Replay = Annotated[Path | None, typer.Option("--replay", help="Recorded-measurements file for --backend replay.")]
+Arch = Annotated[str, typer.Option("--arch", help="Target arch when no GPU is read (replay backend, prebuild).")]
+Gpu = Annotated[int | None, typer.Option("--gpu", help="GPU index (sets CUDA_VISIBLE_DEVICES for the worker).")]
+Jobs = Annotated[int | None, typer.Option("--jobs", help="Parallel nvcc jobs (default: one per core).")]
+Record = Annotated[Path | None, typer.Option("--record", help="Append every measurement to this replay file.")]
+Output = Annotated[Path | None, typer.Option("-o", "--output", help="Also write the export JSON here.")]
+Accumulate = Annotated[str, typer.Option(
+    "--accumulate", help="fp32 (default) or fp16 accumulation. fp16 is a different problem: its own study, only "
+                         "families that build it, verified and timed against cuBLAS in fp16 compute.")]
+Confirm = Annotated[int, typer.Option(
+    "--confirm", min=0,
+    help="After the search, re-verify and re-time the K best distinct kernels with cuBLAS and cuBLASLt in "
+         "--confirm-runs fresh worker runs and export the fastest by median time (a trial's time is one "
+         "measurement; near-equal kernels swap places by a few percent from run to run). 0: export the "
+         "in-study best.")]
+ConfirmRuns = Annotated[int, typer.Option("--confirm-runs", min=1, help="Fresh worker runs of the confirmation.")]
+Shape = Annotated[str, typer.Option("--shape", "-s", help="MxNxK, e.g. 4096x4096x8192 (A: MxK, B: NxK, C: MxN).")]
+Study = Annotated[str | None, typer.Option("--study", help="Study name (see `hgemm-tune studies`).")]
+
+__all__ = ["DEFAULT_STORAGE"]

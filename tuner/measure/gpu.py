@@ -1,0 +1,153 @@
+"""GpuBackend: one long-lived worker process (tuner.measure.worker) on one GPU.
+
+A candidate that faults or hangs is killed together with its worker, scored as failed with
+the reason, and a fresh worker starts: nothing stops the study.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tuner.errors import UserError
+from tuner.measure.backend import EvalRequest, Measurement
+from tuner.measure.protocol import (
+    PROTOCOL_VERSION,
+    REPLIES,
+    BaselineRequest,
+    CandidateSpec,
+    CompareReply,
+    CompareRequest,
+    EvaluateRequest,
+    HelloReply,
+    HelloRequest,
+    Request,
+    decode_reply,
+    encode_request,
+)
+from tuner.space import Shape, Target, target_from_device
+
+
+class GpuBackend:
+    """One long-lived worker subprocess on one GPU (CUDA_VISIBLE_DEVICES=gpu if given)."""
+
+    simulated = False
+    needs_cubin = True
+
+    def __init__(self, gpu: int | None = None, log_path: Path | None = None):
+        self.gpu = gpu
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.replies: queue.Queue = queue.Queue()
+        self.restarts = 0
+        self.info: HelloReply = self._start()
+        self.target: Target = target_from_device(self.info.props, self.info.name)
+        self.name = f"gpu:{self.info.name}" + (f"#{gpu}" if gpu is not None else "")
+
+    def _start(self) -> HelloReply:
+        env = dict(os.environ)
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        env.setdefault("CUPY_TF32", "0")  # the fp32 reference must be real fp32
+        log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "tuner.measure.worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                     start_new_session=True)
+        self.replies = queue.Queue()
+        threading.Thread(target=self._reader, args=(self.proc, self.replies), daemon=True).start()
+        reply = self._call(HelloRequest(PROTOCOL_VERSION), timeout_s=120)
+        if not reply.ok:
+            self._kill()
+            raise UserError(reply.reason or "GPU worker failed to start")
+        return reply
+
+    @staticmethod
+    def _reader(proc: subprocess.Popen, replies: queue.Queue) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                replies.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        replies.put(None)  # EOF: the worker died
+
+    def _kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def _call(self, req: Request, timeout_s: float):
+        """Send one request; its typed reply, or a fatal one saying how the worker failed."""
+        cls: type = REPLIES[type(req)]
+        assert self.proc and self.proc.stdin
+        try:
+            self.proc.stdin.write(encode_request(req) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return cls(status="fault", kind="worker_died", reason="GPU worker is gone", fatal=True)
+        try:
+            raw = self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            self._kill()
+            return cls(status="timeout", kind="hang", fatal=True,
+                       reason=f"no answer in {timeout_s:.0f} s: kernel hang or worker stuck; worker killed")
+        if raw is None:
+            code = self.proc.wait()
+            return cls(status="fault", kind="worker_died", fatal=True,
+                       reason=f"GPU worker exited (code {code}) during the request")
+        return decode_reply(cls, raw)
+
+    def _call_restarting(self, req: Request, timeout_s: float):
+        reply = self._call(req, timeout_s)
+        if reply.fatal:
+            self._kill()
+            self.restarts += 1
+            self._start()
+        return reply
+
+    def baseline(self, shape: Shape, accumulate: str = "fp32") -> dict[str, float]:
+        reply = self._call_restarting(BaselineRequest((shape.M, shape.N, shape.K), accumulate), 300)
+        if not reply.ok:
+            raise UserError(f"cuBLAS baseline failed for {shape}: {reply.reason}")
+        return reply.baselines
+
+    def evaluate(self, req: EvalRequest, timeout_s: float = 60.0) -> Measurement:
+        start = time.perf_counter()
+        assert req.cubin is not None, "a GPU evaluation needs a built binary"
+        reply = self._call_restarting(EvaluateRequest(req.cubin, (req.shape.M, req.shape.N, req.shape.K), req.launch,
+                                                      req.variants, req.accumulate), timeout_s)
+        status = reply.status if reply.status in ("ok", "timeout", "fault") else "failed"
+        return Measurement(status=status, kind=reply.kind, reason=reply.reason, times_us=reply.times,
+                           baselines_us=reply.baselines, verify=reply.verify, gpu=self.name,
+                           seconds=time.perf_counter() - start, gpu_state=reply.gpu_state)
+
+    def compare(self, shape: Shape, candidates: dict[str, CandidateSpec], timeout_s: float = 300.0,
+                modes: list[str] | None = None, torch: bool = True) -> CompareReply:
+        """Verify each candidate, then time all of them and the vendor baselines together, in
+        each of `modes` (default offline). `notes` names every baseline that could not be
+        measured. `torch=False` leaves torch.matmul out."""
+        req = CompareRequest((shape.M, shape.N, shape.K), candidates, list(modes or ["offline"]), torch)
+        return self._call_restarting(req, timeout_s)
+
+    def restart(self) -> None:
+        """A fresh worker process: new CUDA context, new buffers at new addresses. Repeated
+        benchmark runs restart between runs so that one allocation's luck is not every run's."""
+        self.close()
+        self.info = self._start()
+
+    def close(self) -> None:
+        if self.proc and self.proc.stdin:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._kill()

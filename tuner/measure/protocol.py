@@ -1,0 +1,171 @@
+"""The messages between the tuner and its GPU worker, one JSON object per line each way.
+
+Requests carry shapes, file paths and knobs, never device objects (the worker is another
+process, and may die). Every reply has a status; `fatal` means the worker exits after it
+(a fault poisons its CUDA context) and the parent starts a fresh one. `HelloRequest`
+carries the protocol version: a worker of another version refuses to serve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+PROTOCOL_VERSION = 2
+MODES = ("offline", "server")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How the worker launches a built binary: a cubin's 1-D geometry, or, for a library
+    family, only the SM count its persistent scheduler sizes the grid by."""
+
+    artifact: str = "cubin"  # cubin | library
+    grid: int = 0
+    block: int = 0
+    smem: int = 0
+    sm_count: int = 0
+    pdl: bool = False        # library kernels: programmatic dependent launch (cubins ignore it)
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """One kernel to verify and time: its binary, its launch and the run-time knobs it runs with."""
+
+    binary: str
+    launch: LaunchSpec
+    variant: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HelloRequest:
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class BaselineRequest:
+    shape: tuple[int, int, int]
+    accumulate: str = "fp32"
+
+
+@dataclass(frozen=True)
+class EvaluateRequest:
+    """Verify one binary at every run-time variant, then time them all against cuBLAS."""
+
+    binary: str
+    shape: tuple[int, int, int]
+    launch: LaunchSpec
+    variants: list[dict[str, Any]]
+    accumulate: str = "fp32"
+    time: bool = True         # False: verify only
+
+
+@dataclass(frozen=True)
+class CompareRequest:
+    """Verify each candidate, then time them with every vendor baseline in each mode."""
+
+    shape: tuple[int, int, int]
+    candidates: dict[str, CandidateSpec]
+    modes: list[str] = field(default_factory=lambda: ["offline"])
+    torch: bool = True
+
+
+Request = HelloRequest | BaselineRequest | EvaluateRequest | CompareRequest
+OPS: dict[str, type] = {"hello": HelloRequest, "baseline": BaselineRequest, "evaluate": EvaluateRequest,
+                        "compare": CompareRequest}
+
+
+@dataclass
+class Reply:
+    status: str = "ok"         # ok | failed | fault | timeout | error
+    kind: str | None = None    # failure kind: wrong, out_of_bounds, unwritten, fault, hang, worker_died, ...
+    reason: str | None = None
+    fatal: bool = False        # the worker is gone (or exits now): the parent restarts it
+    worker_s: float = 0.0      # seconds the worker spent on the request
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class HelloReply(Reply):
+    version: int = 0
+    name: str = ""
+    props: dict[str, int] = field(default_factory=dict)  # cudaGetDeviceProperties fields the tuner uses
+    cupy: str = ""
+    cuda_runtime: int = 0
+    driver: int = 0
+    visible_devices: str = ""
+
+
+@dataclass
+class BaselineReply(Reply):
+    baselines: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EvaluateReply(Reply):
+    times: dict[str, float] = field(default_factory=dict)       # variant (JSON) -> us
+    baselines: dict[str, float] = field(default_factory=dict)
+    verify: dict[str, Any] = field(default_factory=dict)
+    gpu_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CompareReply(Reply):
+    modes: list[str] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)        # offline if timed, else the first mode
+    times_by_mode: dict[str, dict[str, float]] = field(default_factory=dict)
+    verify: dict[str, dict[str, Any]] = field(default_factory=dict)  # candidate -> its verification report
+    gpu_state: dict[str, Any] = field(default_factory=dict)
+    gpu_state_by_mode: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)          # baselines not measured, how torch was timed
+
+    def times_in(self, mode: str) -> dict[str, float]:
+        if not self.times_by_mode and mode == "offline":
+            return self.times  # a reply of offline timing only
+        return self.times_by_mode.get(mode) or {}
+
+
+REPLIES: dict[type, type] = {HelloRequest: HelloReply, BaselineRequest: BaselineReply,
+                             EvaluateRequest: EvaluateReply, CompareRequest: CompareReply}
+R = TypeVar("R", bound=Reply)
+
+
+class ProtocolError(ValueError):
+    """A line that is not a message of this protocol."""
+
+
+def encode_request(req: Request) -> str:
+    op = next(name for name, cls in OPS.items() if isinstance(req, cls))
+    return json.dumps({"op": op, **dataclasses.asdict(req)})
+
+
+def decode_request(line: str) -> Request:
+    try:
+        raw = json.loads(line)
+        cls = OPS[raw.pop("op")]
+        if cls is EvaluateRequest:
+            raw["launch"] = LaunchSpec(**raw["launch"])
+        elif cls is CompareRequest:
+            raw["candidates"] = {name: CandidateSpec(c["binary"], LaunchSpec(**c["launch"]), c.get("variant", {}))
+                                 for name, c in raw["candidates"].items()}
+        if "shape" in raw:
+            raw["shape"] = tuple(int(d) for d in raw["shape"])
+        return cls(**raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"not a request: {type(exc).__name__}: {exc}") from None
+
+
+def encode_reply(reply: Reply) -> str:
+    return json.dumps(dataclasses.asdict(reply))
+
+
+def decode_reply(cls: type[R], raw: dict[str, Any]) -> R:
+    """A reply of the type the request expects; fields it does not know are dropped, so that
+    an error reply (status, kind, reason) decodes as any reply type."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in raw.items() if k in names})

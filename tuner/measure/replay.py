@@ -1,0 +1,91 @@
+"""ReplayBackend: measurements replayed from a JSONL file of real GPU measurements.
+
+Everything it returns is marked simulated; a config that is not in the file is reported as
+not recorded (no time is invented). `record_measurement` and `record_baseline` write the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tuner.errors import UserError
+from tuner.measure.backend import EvalRequest, Measurement, config_key
+from tuner.space import Shape, target_for_arch
+
+
+class ReplayBackend:
+    """Measurements replayed from a JSONL file written by `record_measurement`."""
+
+    simulated = True
+    needs_cubin = False
+
+    def __init__(self, path: str | Path, arch: str = "sm_90a"):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"replay file {self.path} not found")
+        self.records: dict[tuple[str, str], dict] = {}
+        self.baselines: dict[str, dict[str, float]] = {}
+        for lineno, line in enumerate(self.path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                shape = _replay_key(rec["shape"], rec.get("accumulate", "fp32"))
+                if rec.get("type") == "baseline":
+                    if not isinstance(rec["baselines_us"]["cublas"], (int, float)):
+                        raise TypeError("baselines_us.cublas is not a number")
+                    self.baselines[shape] = rec["baselines_us"]
+                else:
+                    m = rec["measurement"]
+                    if not isinstance(m["status"], str) or not isinstance(m.get("times_us", {}), dict):
+                        raise TypeError("measurement needs a status and a times_us mapping")
+                    for variant in m.get("times_us", {}):
+                        json.loads(variant)  # variant keys are JSON objects of run-time knobs
+                    self.records[(shape, config_key(rec["family"], rec["config"]))] = rec
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise UserError(f"{self.path}:{lineno}: not a measurement record ({exc})") from None
+        self.target = target_for_arch(arch)
+        self.name = f"replay:{self.path.name}"
+        self.families = {family for _, key in self.records for family in [key.split(":", 1)[0]]}
+
+    def baseline(self, shape: Shape, accumulate: str = "fp32") -> dict[str, float]:
+        key = _replay_key(str(shape), accumulate)
+        if key not in self.baselines:
+            raise UserError(f"replay file {self.path} has no baseline for shape {shape}"
+                            + ("" if accumulate == "fp32" else f" with {accumulate} accumulation"))
+        return self.baselines[key]
+
+    def evaluate(self, req: EvalRequest, timeout_s: float = 60.0) -> Measurement:
+        rec = self.records.get((_replay_key(str(req.shape), req.accumulate), config_key(req.family, req.config)))
+        if rec is None:
+            return Measurement(status="not_recorded", kind="not_recorded", simulated=True, gpu=self.name,
+                               reason="config not recorded in the replay file (no time is invented)")
+        m = Measurement(**{k: v for k, v in rec["measurement"].items() if k in Measurement.__dataclass_fields__})
+        m.simulated, m.gpu = True, self.name
+        return m
+
+    def close(self) -> None:
+        pass
+
+
+def _replay_key(shape: str, accumulate: str) -> str:
+    """Replay records of fp16 accumulation answer only fp16 requests (older files hold fp32 only)."""
+    return shape if accumulate == "fp32" else f"{shape}/{accumulate}"
+
+
+def record_measurement(path: Path, req: EvalRequest, m: Measurement) -> None:
+    """Append one real measurement to a replay file."""
+    rec = {"shape": str(req.shape), "family": req.family, "config": req.config, "measurement": m.to_dict()}
+    if req.accumulate != "fp32":
+        rec["accumulate"] = req.accumulate
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+
+
+def record_baseline(path: Path, shape: Shape, baselines: dict[str, float], accumulate: str = "fp32") -> None:
+    rec = {"type": "baseline", "shape": str(shape), "baselines_us": baselines}
+    if accumulate != "fp32":
+        rec["accumulate"] = accumulate
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")

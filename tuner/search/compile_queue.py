@@ -1,0 +1,85 @@
+"""The compile queue: a config is checked against the constraints, rendered and handed to the
+nvcc pool when it is asked (`prepare`); when its turn on the GPU comes, the build is awaited
+and the binary measured (`finish`). Asking ahead keeps every nvcc job busy while the GPU
+measures the oldest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+
+from tuner.build import CompilePool, CompileResult, RenderError, render, source_hash
+from tuner.errors import UserError
+from tuner.measure import Backend, EvalRequest, Measurement, launch_spec
+from tuner.search.records import Status, TrialRecord
+from tuner.search.sampler import full_config
+from tuner.space import Family, Shape
+
+
+@dataclass
+class Pending:
+    trial: optuna.Trial | None
+    family: Family
+    config: dict[str, Any]
+    record: TrialRecord
+    future: Any = None                # Future[CompileResult] or None (replay / cached)
+    request: EvalRequest | None = None
+
+
+def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend: Backend, pool: CompilePool | None,
+            accumulate: str = "fp32") -> Pending:
+    """Validate, render and (if the backend runs real code) start compiling one config."""
+    full = full_config(fam, config)
+    rec = TrialRecord(family=fam.name, config=fam.compile_config(full), status=Status.PENDING)
+    why = fam.violations(full, shape, backend.target)
+    if why:
+        rec.status, rec.kind, rec.reason = Status.INVALID, "invalid", "; ".join(why)
+        return Pending(None, fam, rec.config, rec)
+    # Every run-time variant must satisfy the constraints too.
+    variants = [v for v in fam.runtime_variants() if not fam.violations(full | v, shape, backend.target)]
+    try:
+        source = render(fam, full, backend.target.arch, accumulate=accumulate)
+    except RenderError as exc:
+        # This config's failure, like a compile error (a proposed template may fail at some knob
+        # combinations only): the trial records why, the study goes on.
+        rec.status, rec.kind, rec.reason = Status.RENDER_ERROR, "render", str(exc)
+        return Pending(None, fam, rec.config, rec)
+    rec.source_hash = source_hash(source)
+    req = EvalRequest(fam.name, rec.config, shape, None, launch_spec(fam, full, shape, backend.target), variants,
+                      accumulate)
+    pending = Pending(None, fam, rec.config, rec, request=req)
+    if backend.needs_cubin:
+        if pool is None:
+            raise UserError("a compile pool is needed for a real GPU backend")
+        pending.future = pool.submit(source, backend.target.arch, fam.artifact)
+    return pending
+
+
+def finish(p: Pending, shape: Shape, backend: Backend, timeout_s: float,
+           recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> TrialRecord:
+    """Wait for the compile, then measure on the backend."""
+    rec = p.record
+    if rec.status in (Status.INVALID, Status.RENDER_ERROR):
+        return rec
+    assert p.request is not None
+    if p.future is not None:
+        cres: CompileResult = p.future.result()
+        rec.cache_key, rec.compile_s, rec.cached = cres.key, cres.seconds, cres.cached
+        rec.registers, rec.spill_bytes = cres.registers, cres.spill_bytes
+        if not cres.ok:
+            rec.status, rec.kind, rec.reason = Status.COMPILE_ERROR, "compile", cres.error
+            return rec
+        p.request.cubin = cres.cubin
+    m = backend.evaluate(p.request, timeout_s=timeout_s)
+    if recorder is not None and not m.simulated:
+        recorder(p.request, m)
+    return rec.apply(m, shape, backend.target.peak_tflops)
+
+
+def hang_timeout_s(cublas_us: float) -> float:
+    """Seconds before an evaluation counts as a hang: verification plus timing of all
+    variants take a few hundred kernel-lengths; allow 200,000 cuBLAS times, at least 20 s."""
+    return max(20.0, cublas_us * 1e-6 * 200_000)

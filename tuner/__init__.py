@@ -5,7 +5,9 @@ runs exported kernels. Importing `tuner` itself loads nothing else: each stage p
 (space, build, measure, search, results, runtime) is imported where it is used.
 """
 
-__version__ = "0.1.0"
+from tuner.version import __version__
+
+__all__ = ["__version__", "load"]
 
 
 def load(path, space_file=None, accumulate="fp32", pdl=False):

@@ -7,10 +7,10 @@ from typing import Any
 
 import optuna
 
-import tuner
 from tuner.results.schema import SCHEMA_VERSION
 from tuner.search import StudyMeta, TrialRecord, best_trial, confirmation
 from tuner.search.confirm import VENDORS
+from tuner.version import __version__
 
 
 def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial, confirmed: dict | None = None) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def export_studies(studies: list[optuna.Study]) -> dict[str, Any]:
         if trial is not None:
             entries.append(entry(study, trial, confirmed))
     return {
-        "schema_version": SCHEMA_VERSION, "tool": "hgemm-tune", "tool_version": tuner.__version__,
+        "schema_version": SCHEMA_VERSION, "tool": "hgemm-tune", "tool_version": __version__,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "simulated": any(e["simulated"] for e in entries), "entries": entries,
     }

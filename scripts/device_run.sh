@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: install the carried wheels, then run the given steps, logs under $OUT.
+#   bash scripts/device_run.sh gpu-tests tune-bench
+# Carry .whl (made here by `bash ../shared/device/wheels.sh optuna openai nvidia-cutlass nvmath-python
+# jsonschema hypothesis`) and, if there is one, runs/cubins.tar.xz (a compile cache packed here after
+# `hgemm-tune prebuild ...`: `tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .`).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=${HGEMM_TUNE_CACHE:-/tmp/cubins}
+python3 -c 'import jsonschema, optuna, jinja2, yaml, typer, rich, pandas, cupy, nvmath, openai' || {
+  echo "device_run.sh: a runtime dependency is missing on the device; rebuild .whl here (see the header)"; exit 1; }
+[[ -f runs/cubins.tar.xz ]] && mkdir -p "$HGEMM_TUNE_CACHE" && tar xJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE"
+OUT=${OUT:-runs/out}; mkdir -p "$OUT" runs
+END=${DEVICE_BUDGET_S:-570}  # every step's timeout is capped by what is left of the call
+cap() { local left=$((END - SECONDS)); (( left < $1 )) && echo $((left > 1 ? left : 1)) || echo "$1"; }
+nvidia-smi --query-gpu=name,uuid,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv \
+  | tee "$OUT/gpu.txt"
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
+    gpu-tests) timeout "$(cap ${GPU_TESTS_TIMEOUT:-420})" python3 -m pytest -m gpu -q -ra -p no:cacheprovider tests \
+                 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
+    tune-bench)  # the product end to end: tune, confirm, export, then bench the export in fresh workers
+      timeout "$(cap 300)" python3 -m tuner.cli tune --shape "${SHAPE:-4096x4096x8192}" --trials "${TRIALS:-12}" \
+        --families "${FAMILIES:-cute_sm90}" --confirm 2 --confirm-runs 2 --storage sqlite:///runs/device.db \
+        -o runs/device_best.json 2>&1 | tee "$OUT/tune.log" | tail -30
+      timeout "$(cap 240)" python3 -m tuner.cli bench runs/device_best.json --repeats "${REPEATS:-3}" \
+        --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

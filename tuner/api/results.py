@@ -1,0 +1,98 @@
+"""After tuning: re-measure an export against the vendors (`bench`) and build kernels ahead
+on a machine without a GPU (`prebuild`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tuner.api.run import Options, families_for, make_backend
+from tuner.build import CompilePool, CompileResult, cutlass_include, nvcc_path, render
+from tuner.errors import UserError
+from tuner.results import bench as bench_stage
+from tuner.results import read_json
+from tuner.space import load_space, parse_shape, target_for_arch
+
+DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
+BACKENDS = ("gpu", "replay")
+
+
+def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torch: bool = True, repeats: int = 1,
+          on_start=None, on_shape=None) -> tuple[dict[str, Any], list[Path]]:
+    """Re-verify and time every exported kernel for this GPU against the vendor libraries,
+    `repeats` runs each in a fresh worker; writes bench.csv, bench_geomean.csv, bench.md and
+    bench.json under `out`."""
+    if repeats < 1:
+        raise UserError("--repeats must be >= 1")
+    data = read_json(export_file)
+    if not data["entries"]:
+        raise UserError(f"{export_file}: the export has no entries (no study had a verified kernel)")
+    space = load_space(opts.space_file)
+    out.mkdir(parents=True, exist_ok=True)
+    be = make_backend(replace(opts, backend="gpu"), out / "worker.log")
+    pool = None
+    try:
+        chosen, _ = bench_stage.select_entries(data, be.target)
+        if not chosen:
+            gpus = sorted({e["gpu"] for e in data["entries"]})
+            raise UserError(f"{export_file}: no entry for this GPU ({be.target.name}, {be.target.arch}); "
+                            f"the export holds {', '.join(gpus)}")
+        nvcc_path(), cutlass_include()  # missing toolchain: one clear error before any build
+        pool = CompilePool(opts.jobs)
+        if on_start:
+            on_start(be.name, len({e["shape"] for e in chosen}))
+        builder = bench_stage.Builder(space, be.target, pool)
+        result = bench_stage.run_benchmark(data, be, builder, modes, torch=torch, repeats=repeats, on_shape=on_shape)
+    finally:
+        be.close()
+        if pool:
+            pool.close()
+    return result, bench_stage.write_outputs(result, out, str(export_file))
+
+
+@dataclass
+class Build:
+    label: str                    # what was built: an export entry's shape, or a seed of a shape
+    family: str
+    result: CompileResult
+
+
+def prebuild(export_file: Path | None, shapes: list[str], arch: str, opts: Options,
+             on_done=None) -> list[Build]:
+    """Compile, without a GPU, the kernels a later GPU run will need, into the compile cache:
+    every entry of an export, and the seeds a fresh study of each shape tries first."""
+    from tuner.results.entries import entry_build
+    from tuner.search.sampler import full_config, seed_configs
+
+    space = load_space(opts.space_file)
+    target = target_for_arch(arch)
+    nvcc_path(), cutlass_include()
+    jobs: list[tuple[str, str, str, str]] = []  # (label, family, source, artifact)
+    if export_file is not None:
+        for e in read_json(export_file)["entries"]:
+            if e["arch"] != arch:
+                continue
+            build = entry_build(space, e, target)
+            jobs.append((f"{e['shape']} (export)", build.family, build.source, build.artifact))
+    for text in shapes:
+        shape = parse_shape(text)
+        for fam in (space.family(f) for f in families_for(space, opts.families, target, None, opts.accumulate)):
+            for cfg in seed_configs(fam, shape):
+                full = full_config(fam, cfg)
+                if fam.violations(full, shape, target):
+                    continue  # the search rejects it before nvcc too
+                jobs.append((f"{shape} seed {json.dumps(cfg, separators=(',', ':'))}", fam.name,
+                             render(fam, full, arch, accumulate=opts.accumulate), fam.artifact))
+    pool = CompilePool(opts.jobs)
+    try:
+        futures = [(label, fam, pool.submit(source, arch, artifact)) for label, fam, source, artifact in jobs]
+        builds = []
+        for label, fam, future in futures:
+            builds.append(Build(label, fam, future.result()))
+            if on_done:
+                on_done(len(builds), len(futures))
+    finally:
+        pool.close()
+    return builds

@@ -1,0 +1,181 @@
+"""Commands on results: `report`, `bench` (re-measure an export against the vendors), `prebuild`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from tuner import api
+from tuner.cli import options as o
+from tuner.cli.views import console, fmt, out_console, progress_bar
+from tuner.errors import UserError
+
+
+def report(
+    source: Annotated[str, typer.Argument(help="An export JSON file, a storage URL (sqlite:///...), or the "
+                                               "bench.json that `hgemm-tune bench` wrote.")] = "runs/sweep.json",
+    out: Annotated[Path, typer.Option("--out", help="Folder for the PNG plots and report.md.")] = Path("runs/report"),
+) -> None:
+    """Plots (speedup vs FLOPs, heatmap over M x N, roofline, winners' knobs) and a table.
+
+    Given a bench.json: speedup over every baseline (cuBLAS, cuBLASLt, cuBLASLt autotuned,
+    torch) against FLOPs, offline and server mode side by side."""
+    from tuner.results import read_json
+    from tuner.results.export import export_studies
+    from tuner.results.report import write_bench_report, write_report
+    from tuner.search import load_studies
+
+    is_url = "://" in source or source.startswith("journal:")
+    bench_data = None if is_url else _bench_json(source)
+    if bench_data is not None:
+        files = write_bench_report(bench_data, out)
+    else:
+        data = export_studies(load_studies(source)) if is_url else read_json(source)
+        files = write_report(data, out)
+    if not files:
+        raise UserError(f"{source}: no verified entries to report on")
+    for f in files:
+        console.print(f"wrote {f}")
+
+
+def _bench_json(path: str) -> dict | None:
+    """The file's data if it is `hgemm-tune bench` output (rows per mode), else None (an
+    export, or a file read_json will report on)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "rows" in data and "modes" in data else None
+
+
+BENCH_HELP = (
+    "Re-verify and time every exported kernel against cuBLAS, cuBLASLt and torch.matmul.\n\n"
+    "For each shape of the export that was tuned on this GPU: rebuild the kernel from its template and "
+    "knobs, verify it again (exact 0/1 inputs, random inputs against cuBLAS's own error, fp32 accumulation, "
+    "NaN-poisoned output, guard bands), then time it with cuBLAS (cublasGemmEx), cuBLASLt (heuristic pick, "
+    "and autotuned over its top 16) and torch.matmul (when torch is installed), interleaved in random order "
+    "in one worker process, in each --mode. With --repeats R, R such runs per shape, each in a fresh worker "
+    "process: median times, the median of the per-run ratios and their range.\n\n"
+    "Writes, per shape and mode: our us, TFLOP/s, % of roofline, every baseline's us, the speedup over each "
+    "(baseline us / ours us) and whether it verified; then the geomean speedup per baseline and mode "
+    "(bench.csv, bench_geomean.csv, bench.md, bench.json under --out). A kernel that fails verification is "
+    "a row saying why, never a win; a baseline that cannot be measured is named in the notes; entries tuned "
+    "on another GPU are skipped and listed.\n\n"
+    "Example: [bold]hgemm-tune bench runs/sweep.json --mode both --repeats 3 --out runs/bench[/]\n\n"
+    "Exit code 0 when every kernel verified and was timed, 1 when some did not, 2 for bad input (missing "
+    "or invalid JSON, no entry for this GPU, no GPU, no nvcc)."
+)
+
+
+def bench(
+    export_file: Annotated[Path, typer.Argument(
+        metavar="EXPORT_JSON", help="Export to re-measure: the JSON of `hgemm-tune export`, `sweep -o` or "
+                                    "`tune -o` (validated against tuner/results/export_schema.json).")],
+    mode: Annotated[str, typer.Option("--mode", "-m", help="offline: CUDA graph of back-to-back launches "
+                                      "(throughput, host overhead excluded); server: single launches, each after an "
+                                      "L2 flush and a random 20-500 us idle gap (cold, from idle); both.")] = "both",
+    repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Runs per shape, each in a fresh worker "
+                                                                        "process (median and range).")] = 1,
+    out: Annotated[Path, typer.Option("--out", help="Folder for bench.csv, bench_geomean.csv, bench.md and "
+                                                    "bench.json.")] = Path("runs/bench"),
+    space_file: o.SpaceFile = None,
+    gpu: o.Gpu = None,
+    jobs: o.Jobs = None,
+    torch: Annotated[bool, typer.Option("--torch/--no-torch", help="Also time torch.matmul (when installed).")
+                     ] = True,
+) -> None:
+    from tuner.results import bench as bm
+
+    modes = bm.parse_modes(mode)
+    opts = api.Options(space_file=space_file, gpu=gpu, jobs=jobs)
+    bar = progress_bar()
+    task = bar.add_task("bench", total=None, status="", start=False)
+
+    def on_start(backend: str, shapes: int) -> None:  # inputs checked, the GPU is up: the work starts
+        console.print(f"{shapes} shape(s) on {backend}, modes {', '.join(modes)}"
+                      + (f", {repeats} runs each" if repeats > 1 else ""))
+        bar.start()
+        bar.start_task(task)
+        bar.update(task, total=shapes)
+
+    def on_shape(i: int, n: int, shape: str, rows: list[dict]) -> None:
+        ok = [r for r in rows if r["status"] == "ok" and r["speedup_cublas"]]
+        status = (", ".join(f"{r['mode']} {r['speedup_cublas']:.3f}x vs cuBLAS" for r in ok)
+                  if ok else "not verified/timed")
+        bar.update(task, completed=i + 1, status=f"{shape}: {status}")
+
+    try:
+        result, files = api.bench(export_file, modes, opts, out=out, torch=torch, repeats=repeats,
+                                  on_start=on_start, on_shape=on_shape)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: nothing written")
+        raise typer.Exit(130) from None
+    finally:
+        bar.stop()
+    runs = f", {repeats} runs each" if repeats > 1 else ""
+    table = Table(title=f"bench on {result['gpu']} ({result['arch']}){runs}: vs X = X us / ours us")
+    for col in ("shape", "mode", "family", "ours us", "TFLOP/s", "cuBLAS us",
+                *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), "verified"):
+        table.add_column(col, justify="left" if col in ("shape", "mode", "family", "verified") else "right")
+    for r in result["rows"]:
+        verified = "yes" if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r['reason']))}"
+        table.add_row(r["shape"], r["mode"], r["family"], fmt(r["ours_us"], ".2f"), fmt(r["ours_tflops"], ".1f"),
+                      fmt(r["cublas_us"], ".2f"), *(bm._speedup_cell(r, b) for b in bm.BASELINES), verified)
+    out_console.print(table)
+    geo = Table("baseline", *modes, title="geomean speedup (baseline us / ours us)")
+    by = {(g["mode"], g["baseline"]): g for g in result["geomeans"]}
+    for b in bm.BASELINES:
+        geo.add_row(bm.LABELS[b], *(bm.geomean_text(by[(m, b)]) for m in modes))
+    out_console.print(geo)
+    for s in result["skipped"]:
+        console.print(f"[yellow]skipped[/] {s['shape']} {s['family']}: {escape(s['reason'])}")
+    unmeasured = sorted({f"{bm.LABELS[b]} ({v})" for n in result["notes"].values() for b, v in n.items()
+                         if b in bm.BASELINES})
+    for u in unmeasured:
+        console.print(f"[yellow]baseline not measured[/]: {escape(u)}")
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    if any(r["status"] != "ok" for r in result["rows"]):
+        console.print("[red]some kernels did not verify or were not timed[/] (see the verified column)")
+        raise typer.Exit(1)
+
+
+def prebuild(
+    export_file: Annotated[Path | None, typer.Argument(
+        metavar="[EXPORT_JSON]", help="Build the kernels of this export (for --arch).")] = None,
+    shapes: Annotated[str | None, typer.Option(
+        help="Comma list of MxNxK: build the configs a fresh study of each shape tries first (its seeds).")] = None,
+    families: o.Families = None,
+    arch: o.Arch = "sm_90a",
+    space_file: o.SpaceFile = None,
+    jobs: o.Jobs = None,
+) -> None:
+    """Compile kernels into the compile cache on a machine without a GPU.
+
+    Build on a CPU machine, carry the cache (HGEMM_TUNE_CACHE) to the GPU machine, and its runs
+    spend no GPU time waiting for nvcc on those builds. Prints each build's registers and spills.
+
+    Example: [bold]hgemm-tune prebuild runs/sweep.json --shapes 4096x4096x8192 --arch sm_90a[/]"""
+    from tuner.build.compile import DEFAULT_CACHE
+
+    if export_file is None and not shapes:
+        raise UserError("prebuild needs an export file, --shapes, or both")
+    with progress_bar() as bar:
+        task = bar.add_task("nvcc", total=None, status="")
+        builds = api.prebuild(export_file, [s for s in (shapes or "").split(",") if s.strip()], arch,
+                              api.Options(space_file=space_file, families=families, jobs=jobs),
+                              on_done=lambda done, total: bar.update(task, total=total, completed=done))
+    table = Table("kernel", "family", "registers", "spill bytes", "compile s", "status", title=f"prebuild for {arch}")
+    for b in builds:
+        table.add_row(b.label, b.family, fmt(b.result.registers, "d"), fmt(b.result.spill_bytes, "d"),
+                      "cached" if b.result.cached else f"{b.result.seconds:.1f}",
+                      "ok" if b.result.ok else f"[red]failed[/]: {escape((b.result.error or '')[:120])}")
+    out_console.print(table)
+    failed = sum(1 for b in builds if not b.result.ok)
+    console.print(f"{len(builds) - failed} of {len(builds)} built into {DEFAULT_CACHE}")
+    if failed:
+        raise typer.Exit(1)

@@ -415,14 +415,14 @@ def test_bench_command_on_a_fake_gpu(tmp_path, monkeypatch):
     """The command itself (progress, tables, files, exit code) with the GPU and nvcc faked."""
     from typer.testing import CliRunner
 
-    from tuner import api
+    from tuner.api import results as api_results
     from tuner.cli.app import app
 
     backend = FakeBackend(REPLIES)
-    monkeypatch.setattr(api, "make_backend", lambda *a: backend)
+    monkeypatch.setattr(api_results, "make_backend", lambda *a: backend)
     monkeypatch.setattr(bm, "Builder", lambda space, target, pool: FakeBuilder(broken={E}))
-    monkeypatch.setattr(api, "nvcc_path", lambda: "/usr/bin/nvcc")
-    monkeypatch.setattr(api, "cutlass_include", lambda: tmp_path)
+    monkeypatch.setattr(api_results, "nvcc_path", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(api_results, "cutlass_include", lambda: tmp_path)
     path = tmp_path / "best.json"
     path.write_text(json.dumps(make_export([make_entry(A), make_entry(B), make_entry(C), make_entry(E),
                                             make_entry(A, gpu="NVIDIA A100-SXM4-80GB", arch="sm_80")])))

@@ -218,7 +218,7 @@ def test_cli_confirm_prints_the_runs_and_keeps_a_holding_confirmation(space, stu
     from dataclasses import replace
 
     from tuner import api
-    from tuner.cli.app import studies
+    from tuner.cli.studies import studies
     from tuner.cli.views import CliListener
 
     top = distinct_best(study.get_trials(), 3)

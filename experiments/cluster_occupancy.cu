@@ -4,7 +4,7 @@
 //
 // Why: a cluster's CTAs must sit in one GPC, and the H100/H200 GPCs do not all have the same
 // number of SMs, so 132 SMs need not hold 33 clusters of 4. A persistent GEMM whose tile count
-// exceeds (resident clusters x cluster size) runs a second wave (NOTES.md, session 15).
+// exceeds (resident clusters x cluster size) runs a second wave (docs/decisions).
 //
 //   nvcc -O2 -gencode arch=compute_90a,code=sm_90a -o /tmp/cluster_occ experiments/cluster_occupancy.cu
 #include <cstdio>

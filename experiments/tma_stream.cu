@@ -3,8 +3,8 @@
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/tma_stream experiments/tma_stream.cu && /tmp/tma_stream [K] [base|consumer|steal|desync|oob]
 //
 // At 16384x128x4096 both cuBLAS and our kernels stream A (16384 x 4096 fp16, row-major,
-// 134 MB) at ~3.79 TB/s (session 7's K sweep), while a plain contiguous read of 512 MB reaches
-// 4.3-4.6 TB/s (session 5). This probe separates the suspects, one knob at a time, with the same
+// 134 MB) at ~3.79 TB/s (a K sweep), while a plain contiguous read of 512 MB reaches
+// 4.3-4.6 TB/s . This probe separates the suspects, one knob at a time, with the same
 // mbarrier pipeline a warp-specialized GEMM uses (one producer thread issuing TMA boxes into
 // STAGES shared-memory buffers, one consumer warp releasing them):
 //   - access order: GEMM order (CTA owns BOX_M rows, walks along K in 128-byte boxes, so the
@@ -338,7 +338,7 @@ int main(int argc, char** argv) {
       {"+B, +wgmma, 6 st (again, last)", kGemm, 128, 1, 6, 1, 0, 1, W, P128},
   };
   // Set "oob": does TMA's zero fill cost anything? (64x8192x4096's 128-row cooperative builds,
-  // whose A has 64 rows, run 50% slower than its 64-row tiles: NOTES.md, session 12.)
+  // whose A has 64 rows, run 50% slower than its 64-row tiles: docs/decisions.)
   std::vector<Case> oob = {
       {"+B, 6 st", kGemm, 128, 1, 6, 1, 0, 1, 0, P128},
       {"+B box of 128 rows, 64 exist, 6 st", kGemm, 128, 1, 6, 1, 0, 1, 0, P128, kAfter, 128, 0, 1, 0, 0, 64},

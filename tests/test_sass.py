@@ -58,7 +58,7 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     assert b"hgemm_tma_promotion" in Path(results[2].cubin).read_bytes()
     assert b"hgemm_tma_promotion" not in Path(results[0].cubin).read_bytes()
     # Our kernel body declares no static shared memory: it would move CUTLASS's dynamic buffer off
-    # the 1024-byte alignment (session 10: a 4-byte __shared__ word -> misaligned address on the GPU).
+    # the 1024-byte alignment (a 4-byte __shared__ word -> misaligned address on the GPU).
     system_reserve = set(static_shared_bytes(results[0].cubin).values())
     assert set(static_shared_bytes(results[3].cubin).values()) == system_reserve, "static shared memory in our body"
     for cfg, res in zip([default, pingpong, own_body], [results[0], results[1], results[3]], strict=True):
@@ -90,7 +90,7 @@ def test_cute_sm90_fp16_accumulate_issues_f16_wgmma(space, tmp_path):
 def test_cute_sm90_wgmma_is_as_wide_as_the_tile(space, h200, tmp_path):
     """One wgmma spans the tile's N (HGMMA.64xTILE_Nx16) for widths outside CUTLASS's short list of
     8/16/32/64/96/128/192/256 too: without the extended shapes a 144-wide tile ran as nine 64x16x16
-    wgmmas per k-step, 1.3-3.5x slower on the GPU (NOTES.md, session 17)."""
+    wgmmas per k-step, 1.3-3.5x slower on the GPU (docs/decisions)."""
     fam = space.family("cute_sm90")
     cfg = fam.complete({"TILE_M": 128, "TILE_N": 144, "STAGES": 5, "CLUSTER_M": 1, "CLUSTER_N": 1})
     assert not fam.violations(cfg, BIG, h200)

@@ -118,8 +118,8 @@ def test_seed_when_keeps_a_seed_to_the_shapes_it_names(tmp_path):
 
 
 def test_shipped_seeds_for_one_shape_stay_with_it():
-    """space.yaml's M = 64 seeds (session 13) are tried first at 64x8192x4096 and its M <= 128 ones
-    (session 14) there and at 128x16384x16384, none of them at 4096^3."""
+    """space.yaml's M = 64 seeds are tried first at 64x8192x4096 and its M <= 128 ones
+    there and at 128x16384x16384, none of them at 4096^3."""
     from tuner.search.sampler import seed_configs
     from tuner.space import parse_shape
 
@@ -133,7 +133,7 @@ def test_shipped_seeds_for_one_shape_stay_with_it():
 
     assert sorted(stream_b(m64)) == [(64, 64)] * 3 + [(64, 256)] * 3
     assert stream_b(m128) == [(64, 256)] * 3 and stream_b(square) == []
-    # the 2x1 build with 256-byte L2 promotion (session 16) is one of them
+    # the 2x1 build with 256-byte L2 promotion is one of them
     assert [c["TMA_L2_PROMOTION"] for c in m128 if c["L2_HINT"] == "stream_b"].count(256) == 1
     assert len(square) < len(m128) < len(m64) < len(fam.seeds) + 1
 

@@ -2,7 +2,7 @@
 
 One pipeline stage between search and export. A trial's time is one measurement, and
 near-equal configs swap places from run to run by a few percent (on the H200, 1-4% at
-15-40 us: NOTES.md, session 7), so the in-study best is partly luck. Confirm takes the K
+15-40 us: docs/decisions), so the in-study best is partly luck. Confirm takes the K
 fastest distinct verified kernels of the study and, in R runs, each in a fresh GPU worker
 (new CUDA context, new buffers), verifies them again and times them with cuBLAS and
 cuBLASLt, interleaved (`backend.compare`). The winner is the kernel with the lowest median

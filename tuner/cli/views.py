@@ -82,9 +82,10 @@ class CliListener(Listener):
 
     def confirming(self, top: int, runs: int) -> None:
         self.bar.start()
-        if self.task is None:
+        if self.sweep and self.task is not None:  # a sweep's trial bar shows the shape's confirmation
+            self.bar.reset(self.task, total=runs, status=f"confirming the top {top}")
+        else:  # its own bar: the search's bar keeps its final count
             self.task = self.bar.add_task(f"confirming the top {top}", total=runs, status="")
-        self.bar.reset(self.task, total=runs, status=f"confirming the top {top}")
 
     def confirm_run(self, i: int, reply: CompareReply) -> None:
         assert self.task is not None

@@ -67,6 +67,8 @@ class ChatClient:
 
     def chat(self, system: str, user: str) -> str:
         """The reply text; retries with backoff on timeouts, the deadline and server errors."""
+        import httpx2 as httpx  # the openai package's own HTTP client
+
         openai = self.openai
         last = "no try made"
         for attempt in range(self.retries):
@@ -79,7 +81,7 @@ class ChatClient:
             except _TooLarge:
                 raise BadReply(f"the endpoint's answer is over {MAX_BODY_BYTES >> 20} MiB: not read further") from None
             except (openai.APITimeoutError, openai.APIConnectionError, openai.InternalServerError,
-                    openai.RateLimitError) as exc:
+                    openai.RateLimitError, httpx.TransportError) as exc:  # transport: a body cut short
                 last = f"{type(exc).__name__}: {_short(exc)}"
             except openai.APIStatusError as exc:
                 raise EndpointError(f"LLM endpoint {self.base_url} refused the request: HTTP {exc.status_code}: "

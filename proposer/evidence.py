@@ -9,6 +9,7 @@ from typing import Any
 
 import optuna
 
+from proposer.validate import candidate_errors, terminal_safe
 from tuner.errors import UserError
 from tuner.shapes import Shape
 
@@ -71,7 +72,10 @@ def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: 
         errors.sort(key=lambda x: x[0].timestamp() if x[0] else 0.0, reverse=True)
         lines = ["Latest compile and verification errors of its configs:"]
         for _, shape, a in errors[:3]:
+            reason = str(a.get("reason") or "")
+            if a.get("status") == "compile_error" or a.get("kind") == "compile":
+                reason = candidate_errors(reason)  # nvcc's lines about other files may quote those files
             lines.append(f"- {shape} {_config(a.get('config', {}))}: {a.get('status')}/{a.get('kind')}: "
-                         f"{(a.get('reason') or '')[:400]}")
+                         f"{terminal_safe(reason)[:400]}")
         sections.append("\n".join(lines))
     return sections

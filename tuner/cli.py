@@ -841,7 +841,7 @@ def propose(
     candidates: int = typer.Option(1, min=1, help="Proposals asked per round."),
     base_url: str | None = typer.Option(None, help="OpenAI-compatible endpoint (or OPENAI_BASE_URL)."),
     model: str | None = typer.Option(None, help="Model name (or OPENAI_MODEL)."),
-    timeout: float = typer.Option(120.0, help="Seconds per LLM request."),
+    timeout: float = typer.Option(120.0, help="Seconds per LLM request: a deadline for the whole answer."),
     backend: str = typer.Option("auto", help="auto: the GPU if present, else compile-only; gpu; none."),
     trials: int = typer.Option(12, help="Trials of the short tune of parent and child per shape."),
     arch: str = typer.Option("sm_90a", help="Build target when no GPU is present."),
@@ -858,6 +858,7 @@ def propose(
     from proposer.client import ChatClient
     from proposer.evidence import gather
     from proposer.loop import run_rounds
+    from proposer.validate import terminal_safe
     from tuner.shapes import parse_shape
     from tuner.space import load_space
 
@@ -888,8 +889,13 @@ def propose(
             be.close()
     table = Table("proposal", "status", "reason", title=f"proposals for {family}")
     for o in outcomes:
-        table.add_row(o.id, o.status, escape(o.reason[:160]))
+        table.add_row(escape(terminal_safe(o.id)), o.status, escape(terminal_safe(o.reason, one_line=True)[:160]))
     out_console.print(table)
+    if outcomes and all(o.status == "endpoint_error" for o in outcomes):
+        # One plain line: the endpoint never gave a usable answer (unreachable, or no chat completion).
+        print(f"error: the LLM endpoint never answered usefully: "
+              f"{terminal_safe(outcomes[-1].reason, one_line=True)[:300]}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -898,11 +904,16 @@ def proposals(out: Path = typer.Option(Path("runs/proposals"), help="Folder of r
     from rich.markup import escape
 
     from proposer.loop import list_proposals
+    from proposer.validate import terminal_safe
+
+    def cell(value, width: int = 80) -> str:  # outcome.json is a file: anything may be in it
+        return escape(terminal_safe(str(value), one_line=True)[:width])
 
     table = Table("proposal", "round", "status", "version", "reason")
     for o in list_proposals(out):
-        table.add_row(o["id"], str(o["round"]), o["status"], o.get("metrics", {}).get("version", "-"),
-                      escape(o["reason"][:120]))
+        metrics = o.get("metrics") if isinstance(o.get("metrics"), dict) else {}
+        table.add_row(cell(o["id"]), cell(o["round"]), cell(o["status"]), cell(metrics.get("version", "-")),
+                      cell(o["reason"], 120))
     out_console.print(table)
 
 

@@ -291,6 +291,9 @@ def test_good_replies_still_parse():
      "e: &e [*d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e]\n"
      "knobs:\n  BOMB: {values: [1, 2], default: *f}\n```\n", "bad_edit", "default list not among"),
     (after_pad("x") + "```yaml\nknobs:\n  " + "9" * 5000 + ": {values: [1]}\n```\n", "bad_reply", "yaml"),
+    (after_pad("x") + "```yaml\nknobs: " + "[" * 50_000 + "\n```\n", "bad_reply", "yaml"),  # deep nesting
+    (after_pad("x") + "```yaml\nknobs:\n  MANY: {values: " + str(list(range(5000))) + "}\n```\n", "bad_edit",
+     "at most 32"),  # each value would be compiled
 ])
 def test_hostile_replies_end_as_outcomes(server, tmp_path, reply, status, needle):
     serve(completion(reply))

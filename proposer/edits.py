@@ -21,8 +21,10 @@ from typing import Any
 
 import yaml
 
-_BLOCK = re.compile(r"<<<<<<< SEARCH\n(.*?)\n=======\n(.*?)\n>>>>>>> REPLACE", re.S)
-_FENCE = re.compile(r"```([\w+-]*)[ \t]*\n(.*?)```", re.S)
+MAX_REPLY_CHARS = 256 << 10   # a longer reply is refused before any parsing
+MAX_BLOCKS = 256              # SEARCH/REPLACE blocks in one reply
+SEARCH, DIVIDER, REPLACE = "<<<<<<< SEARCH", "=======", ">>>>>>> REPLACE"
+_FENCE_OPEN = re.compile(r"[ \t]*```([\w+-]*)[ \t]*")
 _TEMPLATE_LANGS = ("jinja", "jinja2", "j2", "cuda", "cu", "cpp", "c++", "")
 
 
@@ -38,14 +40,18 @@ class Proposal:
 
 
 def parse_reply(text: str) -> Proposal:
-    text = text.replace("\r\n", "\n")
-    prop = Proposal(edits=[(s, r) for s, r in _BLOCK.findall(text)])
-    for lang, body in _FENCE.findall(text):
+    """The reply's blocks, whole template and knobs. Both scans go line by line, once: no
+    backtracking regex, so a reply full of unterminated markers costs what its length does."""
+    if len(text) > MAX_REPLY_CHARS:
+        raise EditError(f"the reply is {len(text)} characters, over the {MAX_REPLY_CHARS} limit; send only the edits")
+    lines = text.replace("\r\n", "\n").split("\n")
+    prop = Proposal(edits=_blocks(lines))
+    for lang, body in _fences(lines):
         if lang in ("yaml", "yml"):
             try:
                 data = yaml.safe_load(body) or {}
-            except yaml.YAMLError as exc:
-                raise EditError(f"the yaml block does not parse: {exc}") from None
+            except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: a 5000-digit int
+                raise EditError(f"the yaml block does not parse: {str(exc)[:300]}") from None
             if not isinstance(data, dict) or not isinstance(data.get("knobs", {}), dict):
                 raise EditError("the yaml block must be a mapping with a 'knobs' mapping")
             prop.knobs = data.get("knobs", {}) or {}
@@ -56,6 +62,54 @@ def parse_reply(text: str) -> Proposal:
     if not prop.edits and prop.whole is None:
         raise EditError("no SEARCH/REPLACE block and no whole template found in the reply")
     return prop
+
+
+def _blocks(lines: list[str]) -> list[tuple[str, str]]:
+    """SEARCH/REPLACE blocks, each marker alone on its line. A marker out of place (a second
+    SEARCH before the divider, a block left open at the end) is an error naming its line."""
+    blocks: list[tuple[str, str]] = []
+    state, start, search, replace = "out", 0, [], []
+    for n, line in enumerate(lines, 1):
+        mark = line.strip()
+        if state == "out":
+            if mark == SEARCH:
+                state, start, search, replace = "search", n, [], []
+        elif state == "search":
+            if mark == DIVIDER:
+                state = "replace"
+            elif mark == SEARCH:
+                raise EditError(f"line {n}: a SEARCH marker inside the SEARCH block opened on line {start}")
+            else:
+                search.append(line)
+        elif mark == REPLACE:
+            blocks.append(("\n".join(search), "\n".join(replace)))
+            if len(blocks) > MAX_BLOCKS:
+                raise EditError(f"more than {MAX_BLOCKS} SEARCH/REPLACE blocks; propose one trick at a time")
+            state = "out"
+        elif mark == SEARCH:
+            raise EditError(f"line {n}: a SEARCH marker inside the block opened on line {start} (no {REPLACE})")
+        else:
+            replace.append(line)
+    if state != "out":
+        raise EditError(f"the SEARCH block opened on line {start} is not closed with {REPLACE}")
+    return blocks
+
+
+def _fences(lines: list[str]) -> list[tuple[str, str]]:
+    """(language, body) of each ``` fenced block; an unclosed fence runs to the end of the reply."""
+    fences: list[tuple[str, str]] = []
+    lang, body = None, []
+    for line in lines:
+        if lang is None:
+            m = _FENCE_OPEN.fullmatch(line)
+            if m:
+                lang, body = m.group(1), []
+        elif line.lstrip().startswith("```"):
+            fences.append((lang, "\n".join(body) + "\n"))
+            lang = None
+        else:
+            body.append(line)
+    return fences
 
 
 def apply(template: str, prop: Proposal) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 import optuna
 
+from proposer.validate import candidate_errors, terminal_safe
 from tuner.errors import UserError
 from tuner.search import Status, StudyMeta, TrialRecord, load_studies
 from tuner.space import Shape
@@ -77,6 +78,9 @@ def gather(storage: str, family: str, shapes: list[Shape] | None = None, limit: 
         errors.sort(key=lambda x: x[0].timestamp() if x[0] else 0.0, reverse=True)
         lines = ["Latest compile and verification errors of its configs:"]
         for _, shape, r in errors[:3]:
-            lines.append(f"- {shape} {_config(r.config)}: {r.status}/{r.kind}: {(r.reason or '')[:400]}")
+            reason = r.reason or ""
+            if r.status == Status.COMPILE_ERROR or r.kind == "compile":
+                reason = candidate_errors(reason)  # nvcc's lines about other files may quote those files
+            lines.append(f"- {shape} {_config(r.config)}: {r.status}/{r.kind}: {terminal_safe(reason)[:400]}")
         sections.append("\n".join(lines))
     return sections

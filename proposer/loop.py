@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -15,9 +16,10 @@ from typing import Any
 
 import yaml
 
+from proposer.client import BadReply, EndpointError
 from proposer.edits import EditError, apply, parse_reply
-from proposer.validate import static_check
-from tuner.build import CompilePool, template_vars
+from proposer.validate import candidate_errors, dependency_check, static_check, terminal_safe
+from tuner.build import CompilePool, CompileResult, cache_key, compile_source, template_vars
 from tuner.build.sandbox import render_sandboxed
 from tuner.errors import UserError
 from tuner.space import Family, Knob, Shape, Space, parse_shape
@@ -28,6 +30,8 @@ SYSTEM = ("You improve CUDA fp16 GEMM kernel templates (Jinja2). Keep the extern
           "`knobs: {NAME: {values: [...], default: v, kind: compile}}` declaring the knobs your template uses.")
 MIN_GAIN = 0.01                    # a child must be this much faster than its parent on every target shape
 TAIL_SHAPE = parse_shape("333x200x1000")  # verified besides the targets: a tail in M, N and K
+MAX_REASON_CHARS = 4000
+MAX_KNOB_VALUES = 32
 
 
 @dataclass
@@ -39,6 +43,10 @@ class Outcome:
     status: str
     reason: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Reasons quote the reply and the endpoint: no escape sequence reaches a terminal or a prompt.
+        self.reason = terminal_safe(self.reason)[:MAX_REASON_CHARS]
 
 
 def build_prompt(fam: Family, template: str, evidence: list[str], feedback: list[str]) -> str:
@@ -74,6 +82,8 @@ def _new_knobs(fam: Family, raw: dict[str, Any]) -> tuple[dict[str, Knob], dict[
         if not isinstance(spec, dict) or not isinstance(spec.get("values"), list) or not spec["values"]:
             raise EditError(f"knob {name}: needs a non-empty 'values' list")
         values = spec["values"]
+        if len(values) > MAX_KNOB_VALUES:
+            raise EditError(f"knob {name}: {len(values)} values; at most {MAX_KNOB_VALUES} (each one is compiled)")
         if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in values):
             raise EditError(f"knob {name}: values must be integers or strings")
         if len(set(map(repr, values))) != len(values):
@@ -82,7 +92,7 @@ def _new_knobs(fam: Family, raw: dict[str, Any]) -> tuple[dict[str, Knob], dict[
             raise EditError(f"knob {name}: only compile-time knobs can be added (the entry point is fixed)")
         default = spec.get("default", values[0])
         if default not in values:
-            raise EditError(f"knob {name}: default {default!r} not among its values")
+            raise EditError(f"knob {name}: default {_brief(default)} not among its values")
         old = fam.knobs.get(name)
         if old is not None:
             # Redeclaring a knob may only add values: every parent config stays a child config.
@@ -96,6 +106,11 @@ def _new_knobs(fam: Family, raw: dict[str, Any]) -> tuple[dict[str, Knob], dict[
         if added:
             new[name] = added
     return knobs, new
+
+
+def _brief(value: Any) -> str:
+    """A short repr of a value from the reply (a YAML alias bomb's repr is exponential)."""
+    return repr(value)[:80] if isinstance(value, (int, str)) and not isinstance(value, bool) else type(value).__name__
 
 
 def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds: int, candidates: int,
@@ -121,11 +136,26 @@ def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds
             say(f"round {r} candidate {c}: asking {getattr(client, 'model', '?')} ({len(prompt)} prompt chars)")
             try:
                 reply = client.chat(SYSTEM, prompt)
-            except UserError as exc:
-                outcome = Outcome(pid, r, "endpoint_error", str(exc))
+            except BadReply as exc:  # a completion whose text cannot be used (too large, not Unicode)
+                if exc.text:
+                    (folder / "reply.txt").write_text(exc.text)
+                reply = None
+                outcome = Outcome(pid, r, "bad_reply", str(exc))
+            except Exception as exc:  # noqa: BLE001 - whatever the endpoint did, it is an outcome, not a crash
+                fatal = getattr(exc, "fatal", True) or not isinstance(exc, EndpointError)
+                why = str(exc) if isinstance(exc, UserError) else f"the request failed: {type(exc).__name__}: {exc}"
+                outcome = Outcome(pid, r, "endpoint_error", terminal_safe(why, one_line=True)[:500])
                 _save(folder, outcome, say)
                 outcomes.append(outcome)
-                return outcomes  # no endpoint: nothing more to ask this run
+                if fatal:
+                    return outcomes  # no endpoint: nothing more to ask this run
+                feedback.append(f"- attempt {pid}: endpoint_error: the answer was not a chat completion")
+                continue
+            if reply is None:
+                _save(folder, outcome, say)
+                outcomes.append(outcome)
+                feedback.append(f"- attempt {pid}: {outcome.status}: {outcome.reason}")
+                continue
             (folder / "reply.txt").write_text(reply)
             ctx = _Ctx(space, fam, parent, pid, r, folder, shapes, backend, arch, trials, say,
                        versions_dir or fam.templates_dir, prompt, reply)
@@ -159,6 +189,7 @@ class _Ctx:
 
 def _logger(folder: Path, pid: str, log: Callable[[str], None] | None) -> Callable[[str], None]:
     def say(line: str) -> None:
+        line = terminal_safe(line)
         with open(folder / "log.txt", "a") as f:
             f.write(line + "\n")
         if log:
@@ -196,14 +227,21 @@ def _evaluate(ctx: _Ctx) -> Outcome:
         if why:
             return ctx.out("static", f"{_changed(child, cfg)}: {why}")
         sources.append(source)
+    # What the preprocessor really reads (macro-built includes and the like): all of it allowed headers.
+    for cfg, source in zip(configs, sources, strict=True):
+        why = dependency_check(source, ctx.arch, fam.artifact)
+        if why:
+            return ctx.out("static", f"{_changed(child, cfg)}: {why}")
     (ctx.folder / "kernel.cu").write_text(sources[0])
-    say(f"sandbox render and static checks: {len(sources)} config(s) ok")
-    pool = CompilePool(min(len(sources), 16) if ctx.backend is None else None)
+    say(f"sandbox render, static and include checks: {len(sources)} config(s) ok")
+    pool = _CheckedPool(min(len(sources), 16) if ctx.backend is None else None)
+    pool.cleared.update(_digest(s) for s in sources)
     try:
         results = [f.result() for f in [pool.submit(s, ctx.arch, fam.artifact) for s in sources]]
         for cfg, res in zip(configs, results, strict=True):
             if not res.ok:
-                return ctx.out("compile_error", f"{_changed(child, cfg)}: {res.error or 'nvcc failed'}")
+                why = candidate_errors(res.error or "nvcc failed")  # never another file's lines
+                return ctx.out("compile_error", f"{_changed(child, cfg)}: {why}")
         metrics: dict[str, Any] = {"compiled": [{"config": _changed(child, cfg), "registers": res.registers,
                                                  "spill_bytes": res.spill_bytes, "compile_s": round(res.seconds, 1)}
                                                 for cfg, res in zip(configs, results, strict=True)]}
@@ -221,6 +259,32 @@ def _evaluate(ctx: _Ctx) -> Outcome:
             return ctx.out("error", str(exc), metrics)
     finally:
         pool.close()
+
+
+def _digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+class _CheckedPool(CompilePool):
+    """The compile pool of a proposal: every source it builds, the parent's and the child's at any
+    knob values the short tune picks, passes the static and include checks before nvcc sees it."""
+
+    def __init__(self, jobs: int | None = None):
+        super().__init__(jobs)
+        self.cleared: set[str] = set()  # sources already checked
+
+    def submit(self, source: str, arch: str, artifact: str = "cubin"):
+        if _digest(source) in self.cleared:
+            return super().submit(source, arch, artifact)
+        return self._pool.submit(self._checked, source, arch, artifact)
+
+    def _checked(self, source: str, arch: str, artifact: str) -> CompileResult:
+        why = static_check(source) or dependency_check(source, arch, artifact)
+        if why:
+            return CompileResult(False, cache_key(source, arch, artifact), None, 0.0, False,
+                                 f"rejected before nvcc: {why}")
+        self.cleared.add(_digest(source))
+        return compile_source(source, arch, self.cache_dir, self.timeout_s, artifact)
 
 
 def _changed(fam: Family, cfg: dict[str, Any]) -> str:
@@ -243,7 +307,8 @@ def _verify(ctx: _Ctx, child: Family, configs: list[dict[str, Any]], pool: Compi
             ctx.say(f"verify {shape} {_changed(child, cfg)}: {rec.status}"
                     + (f" ({rec.kind}: {(rec.reason or '')[:200]})" if rec.status != "ok" else ""))
             if rec.status != "ok":
-                return (f"{shape} {_changed(child, cfg)}: {rec.status}/{rec.kind}: {rec.reason}")
+                reason = candidate_errors(rec.reason or "") if rec.status == "compile_error" else rec.reason
+                return f"{shape} {_changed(child, cfg)}: {rec.status}/{rec.kind}: {reason}"
     return None
 
 

@@ -8,6 +8,7 @@ from tuner.build.compile import (
     compile_source,
     cutlass_include,
     cutlass_version,
+    nvcc_flags,
     nvcc_path,
     nvcc_version,
 )
@@ -15,5 +16,6 @@ from tuner.build.render import RenderError, render, source_hash, template_hash, 
 
 __all__ = [
     "CompilePool", "CompileResult", "RenderError", "cache_key", "compile_source", "cutlass_include",
-    "cutlass_version", "nvcc_path", "nvcc_version", "render", "source_hash", "template_hash", "template_vars",
+    "cutlass_version", "nvcc_flags", "nvcc_path", "nvcc_version", "render", "source_hash", "template_hash",
+    "template_vars",
 ]

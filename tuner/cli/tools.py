@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +24,7 @@ def propose(
     candidates: Annotated[int, typer.Option(min=1, help="Proposals asked per round.")] = 1,
     base_url: Annotated[str | None, typer.Option(help="OpenAI-compatible endpoint (or OPENAI_BASE_URL).")] = None,
     model: Annotated[str | None, typer.Option(help="Model name (or OPENAI_MODEL).")] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds per LLM request.")] = 120.0,
+    timeout: Annotated[float, typer.Option(help="Seconds per LLM request: a deadline for the whole answer.")] = 120.0,
     backend: Annotated[str, typer.Option(help="auto: the GPU if present, else compile-only; gpu; none.")] = "auto",
     trials: Annotated[int, typer.Option(help="Trials of the short tune of parent and child per shape.")] = 12,
     arch: o.Arch = "sm_90a",
@@ -39,6 +40,7 @@ def propose(
     from proposer.client import ChatClient
     from proposer.evidence import gather
     from proposer.loop import run_rounds
+    from proposer.validate import terminal_safe
     from tuner.measure import GpuBackend
     from tuner.space import load_space, parse_shape
 
@@ -69,19 +71,29 @@ def propose(
             be.close()
     table = Table("proposal", "status", "reason", title=f"proposals for {family}")
     for oc in outcomes:
-        table.add_row(oc.id, oc.status, escape(oc.reason[:160]))
+        table.add_row(escape(terminal_safe(oc.id)), oc.status, escape(terminal_safe(oc.reason, one_line=True)[:160]))
     out_console.print(table)
+    if outcomes and all(oc.status == "endpoint_error" for oc in outcomes):
+        # One plain line: the endpoint never gave a usable answer (unreachable, or no chat completion).
+        print(f"error: the LLM endpoint never answered usefully: "
+              f"{terminal_safe(outcomes[-1].reason, one_line=True)[:300]}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 def proposals(out: Annotated[Path, typer.Option(help="Folder of recorded proposals.")] = Path("runs/proposals")
               ) -> None:
     """List recorded proposals, their outcomes and the family versions they became."""
     from proposer.loop import list_proposals
+    from proposer.validate import terminal_safe
+
+    def cell(value, width: int = 80) -> str:  # outcome.json is a file: anything may be in it
+        return escape(terminal_safe(str(value), one_line=True)[:width])
 
     table = Table("proposal", "round", "status", "version", "reason")
     for oc in list_proposals(out):
-        table.add_row(oc["id"], str(oc["round"]), oc["status"], oc.get("metrics", {}).get("version", "-"),
-                      escape(oc["reason"][:120]))
+        metrics = oc.get("metrics") if isinstance(oc.get("metrics"), dict) else {}
+        table.add_row(cell(oc["id"]), cell(oc["round"]), cell(oc["status"]), cell(metrics.get("version", "-")),
+                      cell(oc["reason"], 120))
     out_console.print(table)
 
 

@@ -150,8 +150,8 @@ class StudyMeta:
     """What a study is about, stored as its user attributes when the search starts."""
 
     shape: str
-    families: list[str]
-    target: dict[str, Any]
+    families: list[str] = field(default_factory=list)
+    target: dict[str, Any] = field(default_factory=dict)  # Target.to_dict() of the GPU it ran on
     backend: str = ""
     simulated: bool = False
     trials_target: int = 100

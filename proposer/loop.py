@@ -113,6 +113,16 @@ def _brief(value: Any) -> str:
     return repr(value)[:80] if isinstance(value, (int, str)) and not isinstance(value, bool) else type(value).__name__
 
 
+def proposable(space: Space, family: str) -> Family:
+    """The family an LLM may rewrite: device code (cubin) only. A library family's host half
+    would run in our processes (tuner.build.render refuses to build one from an untrusted
+    template in any case)."""
+    fam = space.family(family)
+    if fam.artifact != "cubin":
+        raise UserError(f"propose rewrites device-code (cubin) families; {family} is a host+device library")
+    return fam
+
+
 def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds: int, candidates: int,
                out_dir: Path, backend=None, arch: str = "sm_90a", trials: int = 12,
                evidence: list[str] | None = None, versions_dir: Path | None = None,
@@ -120,7 +130,7 @@ def run_rounds(space: Space, family: str, shapes: list[Shape], client, *, rounds
     """Ask, validate and (with a backend) evaluate `rounds` x `candidates` proposals against the
     family's template. An accepted child is written to `versions_dir` (default: the family's
     templates folder) as a new family version with its lineage."""
-    fam = space.family(family)
+    fam = proposable(space, family)
     parent = (fam.templates_dir / fam.template).read_text()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     outcomes: list[Outcome] = []
@@ -386,11 +396,11 @@ def _head_to_head(ctx: _Ctx, contenders: dict[str, tuple[Family, Any]], shape: S
     for name, (f, t) in contenders.items():
         rec = TrialRecord.of(t)
         full = f.complete(rec.kernel)
-        cubin = None
+        cubin = digest = None
         if backend.needs_cubin:
             res = pool.submit(render(f, full, backend.target.arch), backend.target.arch, f.artifact).result()
-            cubin = res.cubin
-        cands[name] = CandidateSpec(cubin or "", launch_spec(f, full, shape, backend.target), rec.variant)
+            cubin, digest = res.cubin, res.digest
+        cands[name] = CandidateSpec(cubin or "", launch_spec(f, full, shape, backend.target), rec.variant, digest)
     reply = backend.compare(shape, cands, torch=False)
     if not reply.ok:
         return None, f"head-to-head failed: {reply.reason}"

@@ -5,8 +5,11 @@
 # jsonschema hypothesis`) and, if there is one, runs/cubins.tar.xz (a compile cache packed here after
 # `hgemm-tune prebuild ...`: `tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .`).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=${HGEMM_TUNE_CACHE:-/tmp/cubins}
+# Private folders (mktemp, ~/.cache), never a predictable shared /tmp path: a file planted there would be imported
+# or loaded. The compile cache checks each binary's recorded digest before loading it as well.
+SITE=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 HGEMM_TUNE_CACHE=${HGEMM_TUNE_CACHE:-$HOME/.cache/hgemm-tune/cubins}
 python3 -c 'import jsonschema, optuna, jinja2, yaml, typer, rich, pandas, cupy, nvmath, openai' || {
   echo "device_run.sh: a runtime dependency is missing on the device; rebuild .whl here (see the header)"; exit 1; }
 [[ -f runs/cubins.tar.xz ]] && mkdir -p "$HGEMM_TUNE_CACHE" && tar xJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE"

@@ -261,7 +261,7 @@ def test_builder_turns_an_entry_into_a_worker_candidate(space):
         def submit(self, source, arch, artifact="cubin"):
             self.jobs.append((source, arch, artifact))
             f = Future()
-            f.set_result(CompileResult(True, "k", "/cache/k.cubin", 0.0, True))
+            f.set_result(CompileResult(True, "k", "/cache/k.cubin", 0.0, True, digest="d"))
             return f
 
     pool = Pool()
@@ -269,7 +269,7 @@ def test_builder_turns_an_entry_into_a_worker_candidate(space):
     cand, warnings = builder.submit(make_entry("512x384x256"))()
     assert cand == CandidateSpec("/cache/k.cubin", LaunchSpec(artifact="cubin", grid=8 * 6, block=128,
                                                               smem=2 * (64 + 64) * (32 + 8) * 2),
-                                 {"SWIZZLE_LOG": 1})
+                                 {"SWIZZLE_LOG": 1}, "d")
     assert warnings == [] and pool.jobs[0][1:] == ("sm_90a", "cubin") and "hgemm" in pool.jobs[0][0]
     with pytest.raises(UserError, match="unknown knob"):
         builder.submit(make_entry("512x384x256", knobs={"BQ": 3}))()

@@ -46,7 +46,8 @@ def _naive_request(body: str, shape, tmp_path, arch: str) -> EvalRequest:
     res = compile_source(NAIVE.replace("BODY", body), arch, cache_dir=tmp_path)
     assert res.ok, res.error
     grid = (shape.M * shape.N + 127) // 128
-    return EvalRequest("naive", {}, shape, res.cubin, LaunchSpec(grid=grid, block=128), [{"SWIZZLE_LOG": 0}])
+    return EvalRequest("naive", {}, shape, res.cubin, LaunchSpec(grid=grid, block=128), [{"SWIZZLE_LOG": 0}],
+                       digest=res.digest)
 
 
 def test_naive_kernel_passes_every_check(backend, tmp_path):
@@ -104,7 +105,7 @@ def test_fp16_accumulation_is_caught(backend, tmp_path):
     res = compile_source(src, backend.target.arch, cache_dir=tmp_path)
     assert res.ok, res.error
     m = backend.evaluate(EvalRequest("naive16", {}, shape, res.cubin, LaunchSpec(grid=32, block=128),
-                                     [{"SWIZZLE_LOG": 0}]))
+                                     [{"SWIZZLE_LOG": 0}], digest=res.digest))
     assert not m.ok and m.kind in ("wrong", "accumulate"), m.reason
 
 
@@ -159,8 +160,8 @@ def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(spa
     assert built.ok, built.error
     variant = fam.runtime_config(full)
     launch = launch_spec(fam, full, shape, backend.target)
-    plain = CandidateSpec(built.cubin, launch, variant)
-    pdl = CandidateSpec(built.cubin, dataclasses.replace(launch, pdl=True), variant)
+    plain = CandidateSpec(built.cubin, launch, variant, built.digest)
+    pdl = CandidateSpec(built.cubin, dataclasses.replace(launch, pdl=True), variant, built.digest)
     reply = backend.compare(shape, {"plain": plain, "pdl": pdl}, torch=False)
     assert reply.status == "ok", reply
     for name in ("plain", "pdl"):
@@ -192,9 +193,9 @@ def test_cute_sm90_our_kernel_body_verifies_in_clusters_with_pdl_on_a_tail(space
     for name, full in configs.items():
         assert built[name].ok, built[name].error
         launch = launch_spec(fam, full, shape, backend.target)
-        contenders[name] = CandidateSpec(built[name].cubin, launch, fam.runtime_config(full))
+        contenders[name] = CandidateSpec(built[name].cubin, launch, fam.runtime_config(full), built[name].digest)
         contenders[f"{name}_pdl"] = CandidateSpec(built[name].cubin, dataclasses.replace(launch, pdl=True),
-                                                  fam.runtime_config(full))
+                                                  fam.runtime_config(full), built[name].digest)
     reply = backend.compare(shape, contenders, torch=False)
     assert reply.status == "ok", reply
     for name in contenders:

@@ -38,6 +38,7 @@ class CompileResult:
     error: str | None = None   # compiler output on failure (kept for the report and the proposer)
     registers: int | None = None
     spill_bytes: int | None = None
+    digest: str | None = None  # sha256 of the binary when it was built: checked again before it is loaded
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,17 +115,47 @@ def _parse_ptxas(log: str) -> tuple[int | None, int | None]:
     return (int(regs[-1]) if regs else None, int(spills[-1]) if spills else None)
 
 
+def file_digest(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def private_cache(cache_dir: Path) -> Path:
+    """The cache folder, created for this user alone (0700). One that another user owns or may
+    write to is refused: a binary planted there would be loaded and run (a library's
+    constructors run on load)."""
+    cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = cache_dir.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise UserError(f"compile cache {cache_dir} belongs to another user (uid {st.st_uid}); "
+                        "set HGEMM_TUNE_CACHE to a folder of your own")
+    if st.st_mode & 0o022:
+        raise UserError(f"compile cache {cache_dir} is writable by other users (mode {oct(st.st_mode & 0o777)}); "
+                        f"run `chmod go-w {cache_dir}` or set HGEMM_TUNE_CACHE to a private folder")
+    return cache_dir
+
+
+def _cached(binary: Path, digest_file: Path) -> str | None:
+    """The recorded digest of a cached binary if the binary still has it, else None (absent,
+    recorded by an older version, or changed since it was built: built again)."""
+    if not binary.is_file() or not digest_file.is_file():
+        return None
+    recorded = digest_file.read_text().strip()
+    return recorded if recorded == file_digest(binary) else None
+
+
 def compile_source(source: str, arch: str, cache_dir: Path = DEFAULT_CACHE,
                    timeout_s: float = DEFAULT_TIMEOUT_S, artifact: str = "cubin") -> CompileResult:
     if artifact not in ARTIFACTS:
         raise UserError(f"unknown artifact {artifact!r}; one of {', '.join(ARTIFACTS)}")
     key = cache_key(source, arch, artifact)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    private_cache(cache_dir)
     cubin = cache_dir / f"{key}{ARTIFACTS[artifact]}"
     meta = cache_dir / f"{key}.log"
-    if cubin.is_file():
+    digest_file = cache_dir / f"{key}.sha256"
+    digest = _cached(cubin, digest_file)
+    if digest is not None:
         regs, spills = _parse_ptxas(meta.read_text()) if meta.is_file() else (None, None)
-        return CompileResult(True, key, str(cubin), 0.0, True, None, regs, spills)
+        return CompileResult(True, key, str(cubin), 0.0, True, None, regs, spills, digest)
     with tempfile.TemporaryDirectory(prefix="hgemm-nvcc-") as tmp:
         src = Path(tmp) / "kernel.cu"
         src.write_text(source)
@@ -145,12 +176,16 @@ def compile_source(source: str, arch: str, cache_dir: Path = DEFAULT_CACHE,
             errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
             text = "\n".join(errors[:20]) or log[-4000:]
             return CompileResult(False, key, None, seconds, False, f"nvcc exit {proc.returncode}: {text}")
-        tmp_cubin = cache_dir / f".{key}.{os.getpid()}.tmp"
+        digest = file_digest(out)
+        tmp_cubin = cache_dir / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp_digest = tmp_cubin.with_suffix(".sha256tmp")
         shutil.copyfile(out, tmp_cubin)
+        tmp_digest.write_text(digest + "\n")
         meta.write_text(log)
         os.replace(tmp_cubin, cubin)  # atomic: a concurrent reader never sees half a cubin
+        os.replace(tmp_digest, digest_file)
     regs, spills = _parse_ptxas(log)
-    return CompileResult(True, key, str(cubin), seconds, False, None, regs, spills)
+    return CompileResult(True, key, str(cubin), seconds, False, None, regs, spills, digest)
 
 
 class CompilePool:

@@ -53,6 +53,12 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
         raise UserError(f"family {family.name} builds {' and '.join(family.accumulate)} accumulation only, "
                         f"not {accumulate}")
     if family.untrusted:
+        if family.artifact != "cubin":
+            # Structural, where every build starts: an LLM's code is device code only. A library's
+            # host half (launch set-up, constructors) runs in our processes, so it comes only from
+            # the project's own templates.
+            raise UserError(f"family {family.name}: an untrusted (LLM-written) template builds device code only "
+                            f"(artifact cubin), never a host+device library")
         if probe:
             raise UserError(f"family {family.name}: probe variables are for our own templates only")
         return _render_isolated(family, config, templates_dir or family.templates_dir, arch, accumulate)

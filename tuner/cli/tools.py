@@ -39,16 +39,13 @@ def propose(
     """Ask an LLM for a template improvement, validate it, and keep it only if it wins."""
     from proposer.client import ChatClient
     from proposer.evidence import gather
-    from proposer.loop import run_rounds
+    from proposer.loop import proposable, run_rounds
     from proposer.validate import terminal_safe
     from tuner.measure import GpuBackend
     from tuner.space import load_space, parse_shape
 
     space = load_space(space_file)
-    if space.family(family).artifact != "cubin":
-        # The static checks allow device code only (no host code, no launches): a library
-        # family's host half could never pass them.
-        raise UserError(f"propose rewrites device-code (cubin) families; {family} is a host+device library")
+    proposable(space, family)  # before any endpoint is asked or GPU started
     shapes = [parse_shape(s) for s in shape]
     client = ChatClient(base_url, model, timeout_s=timeout)
     evidence = gather(storage, family, shapes)

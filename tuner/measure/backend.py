@@ -24,6 +24,7 @@ class EvalRequest:
     launch: LaunchSpec
     variants: list[dict[str, Any]]  # run-time knob combinations to time
     accumulate: str = "fp32"        # fp16: verified and timed against cuBLAS in fp16 compute mode
+    digest: str | None = None       # the binary's sha256 when it was built (checked before it is loaded)
 
 
 
@@ -86,8 +87,8 @@ def launch_spec(fam: Family, config: dict[str, Any], shape: Shape, target: Targe
 
 
 def candidate_spec(fam: Family, config: dict[str, Any], shape: Shape, target: Target, binary: str,
-                   pdl: bool = False) -> CandidateSpec:
+                   digest: str | None, pdl: bool = False) -> CandidateSpec:
     """One candidate of `GpuBackend.compare`: the built binary of a full config, how to launch
     it on `shape`, and the run-time knobs it runs with."""
     spec = launch_spec(fam, config, shape, target)
-    return CandidateSpec(binary, LaunchSpec(**(asdict(spec) | {"pdl": pdl})), fam.runtime_config(config))
+    return CandidateSpec(binary, LaunchSpec(**(asdict(spec) | {"pdl": pdl})), fam.runtime_config(config), digest)

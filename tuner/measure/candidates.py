@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,8 +87,25 @@ class LibraryCandidate(Candidate):
             raise LaunchRefused(f"the kernel's host code refused {M}x{N}x{K} {variant} (code {rc})")
 
 
-def load_candidate(path: str, launch: LaunchSpec) -> Candidate:
-    """A cubin family's kernel or a library family's, by what space.yaml said it builds."""
-    if launch.artifact == "library":
-        return LibraryCandidate(path, launch)
-    return Candidate(path, launch)
+def load_candidate(path: str, launch: LaunchSpec, digest: str | None) -> Candidate:
+    """A cubin family's kernel or a library family's, by what space.yaml said it builds.
+
+    The binary must be the one that was built: its sha256 must equal the digest recorded at
+    build time (a file planted or changed in the cache is refused, never loaded: a library's
+    constructors would run). It is loaded from a private copy of the bytes checked."""
+    data = Path(path).read_bytes()
+    if digest is None or hashlib.sha256(data).hexdigest() != digest:
+        raise BinaryRefused(f"{path} is not the binary that was built (its sha256 is not the one recorded "
+                            "when it was built)" if digest else f"{path} has no recorded digest")
+    fd, copy = tempfile.mkstemp(prefix="hgemm-kernel-", suffix=Path(path).suffix)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        # Loaded now (the module's function is looked up, the library dlopen'ed): the copy can go.
+        return LibraryCandidate(copy, launch) if launch.artifact == "library" else Candidate(copy, launch)
+    finally:
+        os.unlink(copy)
+
+
+class BinaryRefused(Exception):
+    """A binary whose bytes are not the ones built: never loaded."""

@@ -124,7 +124,7 @@ class GpuBackend:
         start = time.perf_counter()
         assert req.cubin is not None, "a GPU evaluation needs a built binary"
         reply = self._call_restarting(EvaluateRequest(req.cubin, (req.shape.M, req.shape.N, req.shape.K), req.launch,
-                                                      req.variants, req.accumulate), timeout_s)
+                                                      req.variants, req.accumulate, digest=req.digest), timeout_s)
         status = reply.status if reply.status in ("ok", "timeout", "fault") else "failed"
         return Measurement(status=status, kind=reply.kind, reason=reply.reason, times_us=reply.times,
                            baselines_us=reply.baselines, verify=reply.verify, gpu=self.name,

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MODES = ("offline", "server")
 
 
@@ -37,6 +37,7 @@ class CandidateSpec:
     binary: str
     launch: LaunchSpec
     variant: dict[str, Any] = field(default_factory=dict)
+    digest: str | None = None  # sha256 recorded when the binary was built; the worker loads nothing else
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class EvaluateRequest:
     variants: list[dict[str, Any]]
     accumulate: str = "fp32"
     time: bool = True         # False: verify only
+    digest: str | None = None  # sha256 recorded when the binary was built; the worker loads nothing else
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ def decode_request(line: str) -> Request:
         if cls is EvaluateRequest:
             raw["launch"] = LaunchSpec(**raw["launch"])
         elif cls is CompareRequest:
-            raw["candidates"] = {name: CandidateSpec(c["binary"], LaunchSpec(**c["launch"]), c.get("variant", {}))
+            raw["candidates"] = {name: CandidateSpec(c["binary"], LaunchSpec(**c["launch"]), c.get("variant", {}),
+                                                     c.get("digest"))
                                  for name, c in raw["candidates"].items()}
         if "shape" in raw:
             raw["shape"] = tuple(int(d) for d in raw["shape"])

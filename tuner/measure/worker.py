@@ -99,7 +99,7 @@ class Worker:
         """Verify then time one binary (all its run-time variants) against cuBLAS."""
         buf = self.buffers_for(req.shape)
         try:
-            cand = load_candidate(req.binary, req.launch)
+            cand = load_candidate(req.binary, req.launch, req.digest)
         except Exception as exc:  # noqa: BLE001 - a binary that will not load is a failed trial
             return EvaluateReply(status="failed", kind="load", reason=f"binary does not load: {exc}")
         variants = req.variants
@@ -161,7 +161,7 @@ class Worker:
         keep = []  # the candidates' modules must outlive the timing
         for name, spec in req.candidates.items():
             try:
-                cand = load_candidate(spec.binary, spec.launch)
+                cand = load_candidate(spec.binary, spec.launch, spec.digest)
             except Exception as exc:  # noqa: BLE001 - a binary that will not load fails its row only
                 reports[name] = {"ok": False, "kind": "load", "reason": f"binary does not load: {exc}"}
                 continue

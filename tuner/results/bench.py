@@ -105,7 +105,7 @@ class Builder:
             if not res.ok:
                 first = (res.error or "").strip().splitlines()[:2]
                 raise UserError(f"does not compile: {' '.join(first)}")
-            return CandidateSpec(res.cubin, build.launch, build.variant), warnings
+            return CandidateSpec(res.cubin, build.launch, build.variant, res.digest), warnings
 
         return wait
 

@@ -63,7 +63,7 @@ class Gemm:
         if not res.ok:
             raise UserError(f"exported kernel for {shape} does not compile: {res.error}")
         # pdl: library kernels launch with programmatic dependent launch (cubin kernels ignore it)
-        kernel = load_candidate(res.cubin, dataclasses.replace(build.launch, pdl=self.pdl))
+        kernel = load_candidate(res.cubin, dataclasses.replace(build.launch, pdl=self.pdl), res.digest)
         self._kernels[key] = (kernel, build.variant)
         return self._kernels[key]
 

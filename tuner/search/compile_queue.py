@@ -72,7 +72,7 @@ def finish(p: Pending, shape: Shape, backend: Backend, timeout_s: float,
         if not cres.ok:
             rec.status, rec.kind, rec.reason = Status.COMPILE_ERROR, "compile", cres.error
             return rec
-        p.request.cubin = cres.cubin
+        p.request.cubin, p.request.digest = cres.cubin, cres.digest
     m = backend.evaluate(p.request, timeout_s=timeout_s)
     if recorder is not None and not m.simulated:
         recorder(p.request, m)

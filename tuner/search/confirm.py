@@ -89,7 +89,7 @@ def build_candidates(space, trials: list, shape, target, pool) -> tuple[dict[str
         if not res.ok:
             failed[name] = "does not compile: " + " ".join((res.error or "").strip().splitlines()[:2])
             continue
-        candidates[name] = candidate_spec(fam, config, shape, target, res.cubin)
+        candidates[name] = candidate_spec(fam, config, shape, target, res.cubin, res.digest)
     return candidates, failed
 
 

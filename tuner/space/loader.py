@@ -83,6 +83,9 @@ class _Loader:
         untrusted = raw.get("untrusted", False)
         if not isinstance(untrusted, bool):
             raise self.fail(keys + ("untrusted",), f"expected true or false, got {untrusted!r}")
+        if untrusted and artifact != "cubin":
+            raise self.fail(keys + ("artifact",), "an untrusted (LLM-written) family builds device code only "
+                                                  "(artifact: cubin): a library's host code runs in our processes")
         accumulate = raw.get("accumulate", ["fp32"])
         if (not isinstance(accumulate, list) or not accumulate
                 or any(a not in ACCUMULATE for a in accumulate) or len(set(accumulate)) != len(accumulate)):

@@ -23,6 +23,7 @@ from tuner.build import CompilePool, CompileResult, cache_key, compile_source, t
 from tuner.build.sandbox import render_sandboxed
 from tuner.errors import UserError
 from tuner.space import Family, Knob, Shape, Space, parse_shape
+from tuner.space.model import RESERVED_KNOB_NAMES
 
 SYSTEM = ("You improve CUDA fp16 GEMM kernel templates (Jinja2). Keep the extern \"C\" hgemm entry point and "
           "its arguments exactly, and keep every M, N, K tail correct. Reply with SEARCH/REPLACE blocks against "
@@ -32,14 +33,16 @@ MIN_GAIN = 0.01                    # a child must be this much faster than its p
 TAIL_SHAPE = parse_shape("333x200x1000")  # verified besides the targets: a tail in M, N and K
 MAX_REASON_CHARS = 4000
 MAX_KNOB_VALUES = 32
+MAX_CONFIGS = 16                   # configs one proposal renders and compiles (the default and each new value)
+MAX_SOURCE_CHARS = 128 << 10       # a rendered candidate (the shipped templates render to about 13 K)
 
 
 @dataclass
 class Outcome:
     id: str
     round: int
-    # accepted | rejected | not_evaluated | bad_reply | bad_edit | render_error | sandbox | static
-    # | compile_error | verify_error | error | endpoint_error
+    # accepted | rejected | not_evaluated | bad_reply | bad_edit | too_large | render_error | sandbox
+    # | static | compile_error | verify_error | error | endpoint_error
     status: str
     reason: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -78,7 +81,9 @@ def _new_knobs(fam: Family, raw: dict[str, Any]) -> tuple[dict[str, Knob], dict[
     new: dict[str, list[Any]] = {}
     for name, spec in raw.items():
         if not (isinstance(name, str) and name.isidentifier() and name.isupper()):
-            raise EditError(f"knob name {name!r} must be an UPPER_CASE identifier")
+            raise EditError(f"knob name {_brief(name)} must be an UPPER_CASE identifier")
+        if name in RESERVED_KNOB_NAMES:
+            raise EditError(f"knob name {name} is reserved (the template's ACCUM, the shape's M, N, K): choose another")
         if not isinstance(spec, dict) or not isinstance(spec.get("values"), list) or not spec["values"]:
             raise EditError(f"knob {name}: needs a non-empty 'values' list")
         values = spec["values"]
@@ -224,6 +229,10 @@ def _evaluate(ctx: _Ctx) -> Outcome:
     child = dataclasses.replace(fam, name=f"{fam.name}_{ctx.pid.split('-', 1)[1].replace('-', '_')}",
                                 knobs=knobs, templates_dir=ctx.folder, untrusted=True)
     # The default config, then each new knob value on top of it: all must render, pass and compile.
+    count = 1 + sum(len(vs) for vs in new.values())
+    if count > MAX_CONFIGS:  # each one is rendered and compiled: refused before any of that
+        return ctx.out("too_large", f"the new knob values make {count} configs to render and compile; at most "
+                                    f"{MAX_CONFIGS} per proposal: propose fewer values")
     configs = [child.defaults()] + [child.defaults() | {k: v} for k, vs in new.items() for v in vs]
     sources = []
     for cfg in configs:
@@ -233,6 +242,9 @@ def _evaluate(ctx: _Ctx) -> Outcome:
         except ValueError as exc:
             status = "sandbox" if "sandbox" in str(exc) else "render_error"
             return ctx.out(status, f"{_changed(child, cfg)}: {exc}")
+        if len(source) > MAX_SOURCE_CHARS:
+            return ctx.out("too_large", f"{_changed(child, cfg)}: renders to {len(source)} characters of CUDA; at "
+                                        f"most {MAX_SOURCE_CHARS} per config")
         why = static_check(source)
         if why:
             return ctx.out("static", f"{_changed(child, cfg)}: {why}")

@@ -7,12 +7,15 @@ the reason, and a fresh worker starts: nothing stops the study.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,6 +38,28 @@ from tuner.measure.protocol import (
 )
 from tuner.space import Shape, Target, target_from_device
 
+# The directory that holds the `tuner` package this process runs (a checkout or site-packages).
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def worker_env(gpu: int | None = None) -> dict[str, str]:
+    """The worker's environment: the caller's (CUDA and cupy settings), with this package's root
+    first on PYTHONPATH, so that nothing else can stand in for it, and the caller's entries after
+    it made absolute (the worker runs in another directory; an empty entry, the working
+    directory, is dropped)."""
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    env.setdefault("CUPY_TF32", "0")  # the fp32 reference must be real fp32
+    rest = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([PACKAGE_ROOT, *rest]))
+    return env
+
+
+def _absolute(path: str | None) -> str | None:
+    """A binary's path as the worker (in its own directory) must be given it."""
+    return os.path.abspath(path) if path else path
+
 
 class GpuBackend:
     """One long-lived worker subprocess on one GPU (CUDA_VISIBLE_DEVICES=gpu if given)."""
@@ -48,18 +73,21 @@ class GpuBackend:
         self.proc: subprocess.Popen | None = None
         self.replies: queue.Queue = queue.Queue()
         self.restarts = 0
+        self.workdir: str | None = None
         self.info: HelloReply = self._start()
         self.target: Target = target_from_device(self.info.props, self.info.name)
         self.name = f"gpu:{self.info.name}" + (f"#{gpu}" if gpu is not None else "")
 
     def _start(self) -> HelloReply:
-        env = dict(os.environ)
-        if self.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
-        env.setdefault("CUPY_TF32", "0")  # the fp32 reference must be real fp32
+        env = worker_env(self.gpu)
         log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        # `python -m` puts the working directory first on sys.path: a `tuner/` planted in the
+        # caller's would be imported instead of ours. The worker runs in a fresh, private, empty
+        # directory (as the render child does), with our package first on PYTHONPATH.
+        self._remove_workdir()
+        self.workdir = tempfile.mkdtemp(prefix="hgemm-worker-")
         self.proc = subprocess.Popen([sys.executable, "-m", "tuner.measure.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                     stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=self.workdir,
                                      start_new_session=True)
         self.replies = queue.Queue()
         threading.Thread(target=self._reader, args=(self.proc, self.replies), daemon=True).start()
@@ -84,6 +112,12 @@ class GpuBackend:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._remove_workdir()
+
+    def _remove_workdir(self) -> None:
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
 
     def _call(self, req: Request, timeout_s: float):
         """Send one request; its typed reply, or a fatal one saying how the worker failed."""
@@ -123,8 +157,9 @@ class GpuBackend:
     def evaluate(self, req: EvalRequest, timeout_s: float = 60.0) -> Measurement:
         start = time.perf_counter()
         assert req.cubin is not None, "a GPU evaluation needs a built binary"
-        reply = self._call_restarting(EvaluateRequest(req.cubin, (req.shape.M, req.shape.N, req.shape.K), req.launch,
-                                                      req.variants, req.accumulate, digest=req.digest), timeout_s)
+        reply = self._call_restarting(EvaluateRequest(_absolute(req.cubin), (req.shape.M, req.shape.N, req.shape.K),
+                                                      req.launch, req.variants, req.accumulate, digest=req.digest),
+                                      timeout_s)
         status = reply.status if reply.status in ("ok", "timeout", "fault") else "failed"
         return Measurement(status=status, kind=reply.kind, reason=reply.reason, times_us=reply.times,
                            baselines_us=reply.baselines, verify=reply.verify, gpu=self.name,
@@ -135,6 +170,8 @@ class GpuBackend:
         """Verify each candidate, then time all of them and the vendor baselines together, in
         each of `modes` (default offline). `notes` names every baseline that could not be
         measured. `torch=False` leaves torch.matmul out."""
+        candidates = {name: dataclasses.replace(c, binary=_absolute(c.binary)) if isinstance(c, CandidateSpec) else c
+                      for name, c in candidates.items()}
         req = CompareRequest((shape.M, shape.N, shape.K), candidates, list(modes or ["offline"]), torch)
         return self._call_restarting(req, timeout_s)
 
@@ -151,3 +188,4 @@ class GpuBackend:
                 self.proc.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):
                 self._kill()
+        self._remove_workdir()

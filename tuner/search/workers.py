@@ -14,6 +14,8 @@ from tuner.search.interrupts import INTERRUPTS
 from tuner.search.studies import best_trial, evaluated_trials, open_study
 
 WORKER_STOP_S = 20.0  # how long an interrupted parent waits for its workers to tell their trials
+WORKER_MAIN = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+               "from tuner.cli import main; main()")
 
 
 def gpu_count() -> int:
@@ -42,7 +44,9 @@ def run_workers(n: int, name: str, storage: str, trials: int, args: list[str], j
     per_jobs = jobs or max(1, (os.cpu_count() or 1) // n)
     procs = []
     for i in range(n):
-        cmd = [sys.executable, "-m", "tuner.cli", "worker", "--study", name, "--storage", storage,
+        # Not `python -m`: that puts the working directory first on sys.path, and a `tuner/` there would
+        # run instead of ours. The directory stays the working one (relative storage and space paths).
+        cmd = [sys.executable, "-c", WORKER_MAIN, "worker", "--study", name, "--storage", storage,
                "--trials", str(trials), "--jobs", str(per_jobs), *args]
         if backend == "gpu":
             cmd += ["--gpu", str(i % gpus)]

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import stat
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -16,26 +18,119 @@ from tuner.space.expr import Expr
 from tuner.space.model import (
     ACCUMULATE,
     KNOB_KINDS,
+    RESERVED_KNOB_NAMES,
     SHAPE_NAMES,
     TARGET_NAMES,
     Constraint,
     Family,
     Knob,
     Space,
+    is_knob_value,
 )
-from tuner.space.shapes import Shape, parse_shape
+from tuner.space.shapes import MAX_DIM, Shape, parse_shape
+
+# A space file may come from anyone: everything about it is bounded before it is expanded.
+MAX_SPACE_BYTES = 4 << 20       # the shipped one is about 20 KB
+MAX_YAML_NODES = 100_000        # scalars, lists and mappings, counted while composing
+MAX_YAML_DEPTH = 64             # nesting of lists and mappings
+MAX_INT_CHARS = 100             # a YAML integer's digits (Python refuses over 4300 with a traceback)
+MAX_FAMILIES = 64
+MAX_KNOBS = 64                  # per family
+MAX_KNOB_VALUES = 1024          # per knob
+MAX_VALUE_CHARS = 256           # a string knob value (it is pasted into the CUDA source)
+MAX_RUNTIME_VARIANTS = 4096     # run-time knob combinations: every build is timed at each
+MAX_SHAPES = 100_000            # per shape list and in all the lists together
+_MAX_MESSAGE_CHARS = 500        # of a reason quoting the file's values
+_INT_TAG = "tag:yaml.org,2002:int"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _line_map(node: yaml.Node, path: tuple = ()) -> dict[tuple, int]:
-    """(key, key, ...) -> 1-based line, from the composed YAML tree."""
-    lines = {path: node.start_mark.line + 1}
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            lines.update(_line_map(value, path + (key.value,)))
-    elif isinstance(node, yaml.SequenceNode):
-        for i, value in enumerate(node.value):
-            lines.update(_line_map(value, path + (i,)))
+class _SpaceYaml(yaml.SafeLoader):
+    """The safe loader, composing under bounds: no aliases (a "billion laughs" file expands
+    exponentially in anything that walks it), at most MAX_YAML_NODES nodes, at most
+    MAX_YAML_DEPTH deep (the composer recurses)."""
+
+    def __init__(self, stream: str, path: Path):
+        super().__init__(stream)
+        self.path = path
+        self.nodes = 0
+        self.depth = 0
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        event = self.peek_event()
+        where = f"{self.path}:{event.start_mark.line + 1}"
+        if isinstance(event, yaml.AliasEvent):
+            raise UserError(f"{where}: YAML aliases (*{str(event.anchor)[:40]}) are not allowed in a space file: "
+                            "write the value out")
+        self.nodes += 1
+        if self.nodes > MAX_YAML_NODES:
+            raise UserError(f"{where}: more than {MAX_YAML_NODES} YAML values in one space file")
+        if self.depth >= MAX_YAML_DEPTH:
+            raise UserError(f"{where}: YAML nested more than {MAX_YAML_DEPTH} deep")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _where(keys: tuple) -> str:
+    where = ".".join(str(k) for k in keys) or "(top level)"
+    return where if len(where) <= 200 else where[:200] + "..."
+
+
+def _line_map(node: yaml.Node, loader: _SpaceYaml, path: Path) -> dict[tuple, int]:
+    """(key, key, ...) -> 1-based line, from the composed YAML tree (walked without recursion),
+    refusing duplicate keys and over-long integers on the way, before anything is constructed."""
+    lines: dict[tuple, int] = {}
+    stack: list[tuple[yaml.Node, tuple]] = [(node, ())]
+    while stack:
+        item, keys = stack.pop()
+        line = item.start_mark.line + 1
+        lines[keys] = line
+        if isinstance(item, yaml.ScalarNode):
+            if item.tag == _INT_TAG and len(item.value) > MAX_INT_CHARS:
+                raise UserError(f"{path}:{line}: {_where(keys)}: an integer of {len(item.value)} characters")
+        elif isinstance(item, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, value in item.value:
+                key: Any = "(key)"  # a list or mapping as a key: construction refuses it
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag == _MERGE_TAG:
+                    key = "<<"
+                elif isinstance(key_node, yaml.ScalarNode):
+                    kline = key_node.start_mark.line + 1
+                    if key_node.tag == _INT_TAG and len(key_node.value) > MAX_INT_CHARS:
+                        raise UserError(f"{path}:{kline}: {_where(keys)}: a key of {len(key_node.value)} digits")
+                    key = loader.construct_object(key_node)  # a scalar: hashable
+                    if key in first:
+                        shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:80] + "..."
+                        raise UserError(f"{path}:{kline}: {_where(keys)}: duplicate key {shown} "
+                                        f"(first on line {first[key]})")
+                    first[key] = kline
+                else:
+                    stack.append((key_node, keys + (key,)))
+                stack.append((value, keys + (key,)))
+        elif isinstance(item, yaml.SequenceNode):
+            stack.extend((value, keys + (i,)) for i, value in enumerate(item.value))
     return lines
+
+
+def _read_text(path: Path) -> str:
+    """The file's text: a regular file (a FIFO would block), at most MAX_SPACE_BYTES, UTF-8."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UserError(f"cannot read space file {path}: not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPACE_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read space file {path}: {exc.strerror}") from None
+    if len(data) > MAX_SPACE_BYTES:
+        raise UserError(f"{path}: over {MAX_SPACE_BYTES} bytes; a space file is a few kilobytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
 
 
 class _Loader:
@@ -44,13 +139,17 @@ class _Loader:
     def __init__(self, path: Path, lines: dict[tuple, int]):
         self.path, self.lines = path, lines
 
-    def fail(self, keys: tuple, reason: str) -> UserError:
+    def location(self, keys: tuple) -> str:
+        """`file:line: key.key`: the line of the deepest key the file has."""
         probe = keys
         while probe and probe not in self.lines:
             probe = probe[:-1]
-        line = self.lines.get(probe, 1)
-        where = ".".join(str(k) for k in keys) or "(top level)"
-        return UserError(f"{self.path}:{line}: {where}: {reason}")
+        return f"{self.path}:{self.lines.get(probe, 1)}: {_where(keys)}"
+
+    def fail(self, keys: tuple, reason: str) -> UserError:
+        if len(reason) > _MAX_MESSAGE_CHARS:  # reasons quote the file's values
+            reason = reason[:_MAX_MESSAGE_CHARS] + "..."
+        return UserError(f"{self.location(keys)}: {reason}")
 
     def mapping(self, value: Any, keys: tuple) -> dict:
         if not isinstance(value, dict):
@@ -61,7 +160,7 @@ class _Loader:
         if not isinstance(text, (str, int, float)) or isinstance(text, bool):
             raise self.fail(keys, f"expected an expression string, got {text!r}")
         try:
-            expr = Expr(text)
+            expr = Expr(text, where=self.location(keys))
         except ValueError as exc:
             raise self.fail(keys, str(exc)) from None
         unknown = expr.names - known
@@ -96,21 +195,45 @@ class _Loader:
             if required not in raw:
                 raise self.fail(keys, f"missing required key {required!r}")
         knobs: dict[str, Knob] = {}
-        for kname, kraw in self.mapping(raw["knobs"], keys + ("knobs",)).items():
+        knobs_raw = self.mapping(raw["knobs"], keys + ("knobs",))
+        if len(knobs_raw) > MAX_KNOBS:
+            raise self.fail(keys + ("knobs",), f"{len(knobs_raw)} knobs; at most {MAX_KNOBS}")
+        for kname, kraw in knobs_raw.items():
             kkeys = keys + ("knobs", kname)
+            if not isinstance(kname, str) or not kname.isidentifier():
+                raise self.fail(kkeys, "a knob's name must be an identifier (letters, digits, _)")
+            if kname in RESERVED_KNOB_NAMES:
+                raise self.fail(kkeys, f"{kname!r} is a reserved name (the names {', '.join(RESERVED_KNOB_NAMES)} "
+                                       "are the template's own variables or the shape and target); rename the knob")
             kraw = self.mapping(kraw, kkeys)
             values = kraw.get("values")
             if not isinstance(values, list) or not values:
                 raise self.fail(kkeys + ("values",), "expected a non-empty list of allowed values")
+            if len(values) > MAX_KNOB_VALUES:
+                raise self.fail(kkeys + ("values",), f"{len(values)} values; at most {MAX_KNOB_VALUES}")
+            for v in values:
+                if not isinstance(v, (bool, int, float, str)):
+                    raise self.fail(kkeys + ("values",), f"values must be numbers, strings or true/false, "
+                                                         f"not {type(v).__name__}")
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise self.fail(kkeys + ("values",), f"value {v} is not a finite number")
+                if isinstance(v, str) and len(v) > MAX_VALUE_CHARS:
+                    raise self.fail(kkeys + ("values",), f"a string value of {len(v)} characters; "
+                                                         f"at most {MAX_VALUE_CHARS}")
             if len(set(map(repr, values))) != len(values):
                 raise self.fail(kkeys + ("values",), "duplicate values")
             default = kraw.get("default", values[0])
-            if default not in values:
-                raise self.fail(kkeys + ("default",), f"default {default!r} is not one of {values}")
+            if not is_knob_value(default, values):  # the type too: 64.0 is not the value 64
+                raise self.fail(kkeys + ("default",), f"default {default!r} ({type(default).__name__}) is not one "
+                                                      f"of {values}")
             kind = kraw.get("kind", "compile")
             if kind not in KNOB_KINDS:
                 raise self.fail(kkeys + ("kind",), f"kind must be one of {KNOB_KINDS}, got {kind!r}")
             knobs[str(kname)] = Knob(str(kname), tuple(values), default, kind)
+        variants = math.prod(len(k.values) for k in knobs.values() if k.kind == "runtime")
+        if variants > MAX_RUNTIME_VARIANTS:
+            raise self.fail(keys + ("knobs",), f"the run-time knobs make {variants} variants; at most "
+                                               f"{MAX_RUNTIME_VARIANTS} (every build is timed at each)")
         known = set(knobs) | set(SHAPE_NAMES) | set(TARGET_NAMES)
         derived: dict[str, Expr] = {}
         for dname, dtext in self.mapping(raw.get("derived", {}) or {}, keys + ("derived",)).items():
@@ -149,8 +272,9 @@ class _Loader:
             for kname, value in seed.items():
                 if kname not in knobs or knobs[kname].kind != "compile":
                     raise self.fail(skeys + (kname,), "seeds set compile-time knobs of this family only")
-                if value not in knobs[kname].values:
-                    raise self.fail(skeys + (kname,), f"{value!r} is not one of {list(knobs[kname].values)}")
+                if not is_knob_value(value, knobs[kname].values):  # the type too
+                    raise self.fail(skeys + (kname,), f"{value!r} ({type(value).__name__}) is not one of "
+                                                      f"{list(knobs[kname].values)}")
             seeds.append(seed)
         # Relative to the space file's templates/ folder; may point elsewhere ("../x/y.cu.j2").
         template_path = Path(os.path.normpath(self.path.parent / "templates" / str(raw["template"])))
@@ -166,9 +290,12 @@ class _Loader:
         """Named shape lists: MxNxK strings, {grid: {M: [...], N: [...], K: [...]}},
         {layers: [[N, K], ...], tokens: [M, ...]} or {preset: cuda_l2}."""
         out: dict[str, list[Shape]] = {}
+        total = 0
         for lname, items in self.mapping(raw, ("shapes",)).items():
             keys = ("shapes", lname)
             if isinstance(items, list):
+                if len(items) > MAX_SHAPES:
+                    raise self.fail(keys, f"{len(items)} shapes; at most {MAX_SHAPES} in a list")
                 parsed = []
                 for i, text in enumerate(items):
                     try:
@@ -183,6 +310,7 @@ class _Loader:
             elif isinstance(items, dict) and "grid" in items:
                 grid = self.mapping(items["grid"], keys + ("grid",))
                 dims = [self.dims(grid.get(d), keys + ("grid", d)) for d in SHAPE_NAMES]
+                self.count(math.prod(len(d) for d in dims), keys)  # before expanding
                 parsed = [Shape(m, n, k) for m, n, k in itertools.product(*dims)]
             elif isinstance(items, dict) and "layers" in items:
                 tokens = self.dims(items.get("tokens"), keys + ("tokens",))
@@ -194,16 +322,24 @@ class _Loader:
                     if not (isinstance(pair, list) and len(pair) == 2):
                         raise self.fail(keys + ("layers", i), f"expected [N, K], got {pair!r}")
                     nk.append(tuple(self.dims(pair, keys + ("layers", i))))
+                self.count(len(tokens) * len(nk), keys)  # before expanding
                 parsed = [Shape(m, n, k) for m in tokens for n, k in nk]
             else:
                 raise self.fail(keys, "expected a list of MxNxK strings or a mapping with grid, layers or preset")
             out[str(lname)] = list(dict.fromkeys(parsed))  # drop repeats, keep order
+            total += len(out[str(lname)])
+            if total > MAX_SHAPES:
+                raise self.fail(keys, f"the shape lists hold over {MAX_SHAPES} shapes in all")
         return out
+
+    def count(self, n: int, keys: tuple) -> None:
+        if n > MAX_SHAPES:
+            raise self.fail(keys, f"expands to {n} shapes; at most {MAX_SHAPES} in a list")
 
     def dims(self, values: Any, keys: tuple) -> list[int]:
         if (not isinstance(values, list) or not values
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)):
-            raise self.fail(keys, f"expected a non-empty list of integers >= 1, got {values!r}")
+                or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_DIM for v in values)):
+            raise self.fail(keys, f"expected a non-empty list of integers from 1 to {MAX_DIM}, got {values!r}")
         return values
 
 
@@ -226,18 +362,25 @@ def default_space_path() -> Path:
 def load_space(path: str | Path | None = None) -> Space:
     """Load and validate a space file (default: the packaged one, `default_space_path`)."""
     path = Path(path) if path is not None else default_space_path()
+    text = _read_text(path)
+    yml = None
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"cannot read space file {path}: {exc.strerror}") from None
-    try:
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text)
+        # Composed once under bounds, checked (duplicate keys, long integers), then constructed.
+        yml = _SpaceYaml(text, path)  # the reader refuses control characters here
+        node = yml.get_single_node()
+        lines = _line_map(node, yml, path) if node is not None else {}
+        raw = yml.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
-        raise UserError(f"{path}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    loader = _Loader(path, _line_map(node) if node is not None else {})
+        problem = str(getattr(exc, "problem", None) or exc).replace("\n", " ")[:_MAX_MESSAGE_CHARS]
+        raise UserError(f"{path}{line}: not valid YAML: {problem}") from None
+    except (RecursionError, MemoryError, ValueError) as exc:  # the bounds above should keep these out
+        raise UserError(f"{path}: not a usable space file: {type(exc).__name__}: {str(exc)[:200]}") from None
+    finally:
+        if yml is not None:
+            yml.dispose()
+    loader = _Loader(path, lines)
     raw = loader.mapping(raw, ())
     if raw.get("version", 1) != 1:
         raise loader.fail(("version",), f"unsupported version {raw.get('version')!r} (this tool reads version 1)")
@@ -247,6 +390,8 @@ def load_space(path: str | Path | None = None) -> Space:
     families_raw = loader.mapping(raw.get("families"), ("families",))
     if not families_raw:
         raise loader.fail(("families",), "no families defined")
+    if len(families_raw) > MAX_FAMILIES:
+        raise loader.fail(("families",), f"{len(families_raw)} families; at most {MAX_FAMILIES}")
     families = {str(name): loader.family(str(name), fraw) for name, fraw in families_raw.items()}
     shapes = loader.shapes(raw.get("shapes", {}) or {})
     return Space(path=path, families=families, shapes=shapes)

@@ -24,6 +24,26 @@ ACCUMULATE = ("fp32", "fp16")
 # Knobs that studies and exports written before 2026-12-03 may hold: ACCUM became the
 # problem's --accumulate (an export entry's `accumulate`).
 RETIRED_KNOBS = ("ACCUM",)
+# Names a knob may not take: the template's own variables (tuner.build.render.template_vars
+# passes family, entry, arch and the problem's ACCUM beside the knobs) and the names every
+# expression sees (the shape and the target).
+RESERVED_KNOB_NAMES = ("ACCUM", "family", "entry", "arch") + SHAPE_NAMES + TARGET_NAMES
+
+
+def same_value(value: Any, allowed: Any) -> bool:
+    """`value` is `allowed`, type included: 128.0 and True are not the knob value 128, nor False 0."""
+    return type(value) is type(allowed) and value == allowed
+
+
+def is_knob_value(value: Any, values: tuple[Any, ...] | list[Any]) -> bool:
+    return any(same_value(value, v) for v in values)
+
+
+def _brief(value: Any) -> str:
+    """A value from a file as an error message shows it: short."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 1000 else f"<{value.bit_length()}-bit int>"
+    return text if len(text) <= 80 else text[:80] + "..."
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -92,8 +112,14 @@ class Family:
                             f"knobs are {', '.join(self.knobs)}")
         full = self.defaults() | config
         for name, value in full.items():
-            if value not in self.knobs[name].values:
-                raise UserError(f"family {self.name}: {name}={value!r} is not one of {list(self.knobs[name].values)}")
+            values = self.knobs[name].values
+            if not is_knob_value(value, values):
+                # Exact types: an export's 128.0 or true would pass `==` and render as such.
+                alike = next((v for v in values if v == value), None)
+                kind = (f" ({type(value).__name__}, not {type(alike).__name__}: the type must match too)"
+                        if alike is not None else "")
+                raise UserError(f"family {self.name}: {name}={_brief(value)} is not one of {_brief(list(values))}"
+                                f"{kind}")
         return full
 
     def complete_stored(self, config: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from tuner.errors import UserError
 
-_SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
+# ASCII digits only (`\d` takes any script's digits, which int() would read too).
+_SHAPE_RE = re.compile(r"^\s*([0-9]+)\s*[xX*]\s*([0-9]+)\s*[xX*]\s*([0-9]+)\s*$")
+MAX_DIM = 1 << 20
+MAX_SHAPE_CHARS = 64  # "1048576x1048576x1048576" with room for spaces and leading zeros
 
 
 @dataclass(frozen=True, order=True)
@@ -35,13 +38,19 @@ class Shape:
 
 
 def parse_shape(text: str) -> Shape:
-    """Parse "4096x4096x8192" (M x N x K); every dimension must be >= 1."""
-    match = _SHAPE_RE.match(str(text))
+    """Parse "4096x4096x8192" (M x N x K); every dimension must be >= 1 and <= MAX_DIM."""
+    if not isinstance(text, str):  # str() of a 5000-digit int would itself raise
+        raise UserError(f"bad shape: expected an MxNxK string, got {type(text).__name__}")
+    if len(text) > MAX_SHAPE_CHARS:
+        # Before any int(): a 5000-digit dimension is over Python's digit limit (and ours).
+        raise UserError(f"bad shape {text[:40]!r}... ({len(text)} characters): expected MxNxK, "
+                        f"each dimension at most {MAX_DIM}")
+    match = _SHAPE_RE.match(text)
     if not match:
         raise UserError(f"bad shape {text!r}: expected MxNxK with three positive integers, e.g. 4096x4096x8192")
     m, n, k = (int(g) for g in match.groups())
     if min(m, n, k) < 1:
         raise UserError(f"bad shape {text!r}: M, N and K must all be >= 1")
-    if max(m, n, k) > 1 << 20:
-        raise UserError(f"bad shape {text!r}: dimensions above 1048576 are not supported")
+    if max(m, n, k) > MAX_DIM:
+        raise UserError(f"bad shape {text!r}: dimensions above {MAX_DIM} are not supported")
     return Shape(m, n, k)

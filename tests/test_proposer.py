@@ -362,7 +362,8 @@ def test_a_child_failing_to_render_at_some_knob_values_fails_that_trial_only(tmp
 
     import optuna
 
-    from proposer.loop import _Ctx, _new_knobs, _tune_against_parent
+    from proposer.judge import _Ctx, _tune_against_parent
+    from proposer.loop import _new_knobs
     from tuner.search import load_studies
 
     space = load_space(ROOT / "space.yaml")

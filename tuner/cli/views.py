@@ -14,7 +14,7 @@ from rich.table import Table
 
 from tuner.api import Listener
 from tuner.measure import CompareReply
-from tuner.measure.clocks import regime_text
+from tuner.measure.clocks import combine, regime_text
 from tuner.search import Progress as SearchProgress
 from tuner.search import StudyMeta, TrialRecord, best_per_family, study_stats
 from tuner.space import Shape
@@ -122,6 +122,7 @@ def confirm_table(record: dict[str, Any]) -> Table:
                       " ".join(fmt(t, ".2f") for t in k["times_us"]), fmt(k["speedup_cublas"], ".3f"),
                       "yes" if k["verified"] else f"[red]no[/]: {escape(str(k['reason']))}")
     table.caption = "* exported" if record["winner"] is not None else "[red]no kernel passed every run[/]"
+    table.caption += f"; clock regime of the runs: {escape(regime_text(combine(record.get('clocks') or [])))}"
     return table
 
 

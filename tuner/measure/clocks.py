@@ -361,9 +361,17 @@ def combine(records: list[dict[str, Any] | None]) -> dict[str, Any]:
     if len(ok) == 1 and len(records) == 1:
         return dict(ok[0])
 
+    def vals(key: str) -> list:
+        return [r[key] for r in ok if r.get(key) is not None]
+
     def med(key: str) -> float | None:
-        vals = [r[key] for r in ok if r.get(key) is not None]
-        return statistics.median(vals) if vals else None
+        return statistics.median(vals(key)) if vals(key) else None
+
+    def low(key: str) -> float | None:
+        return min(vals(key)) if vals(key) else None
+
+    def high(key: str) -> float | None:
+        return max(vals(key)) if vals(key) else None
 
     labels = [regime_of(r) for r in records]
     counts: dict[str, int] = {}
@@ -378,10 +386,10 @@ def combine(records: list[dict[str, Any] | None]) -> dict[str, Any]:
     return {
         "available": True, "mode": ok[0].get("mode", ""), "runs": len(records), "runs_with_clocks": len(ok),
         "samples": sum(r.get("samples", 0) for r in ok),
-        "sm_mhz_min": min(r["sm_mhz_min"] for r in ok), "sm_mhz_median": med("sm_mhz_median"),
-        "sm_mhz_max": max(r["sm_mhz_max"] for r in ok), "mem_mhz_median": med("mem_mhz_median"),
-        "power_w_median": med("power_w_median"), "power_w_max": max(r["power_w_max"] for r in ok),
-        "power_limit_w": med("power_limit_w"), "temp_c_max": max(r["temp_c_max"] for r in ok),
+        "sm_mhz_min": low("sm_mhz_min"), "sm_mhz_median": med("sm_mhz_median"),
+        "sm_mhz_max": high("sm_mhz_max"), "mem_mhz_median": med("mem_mhz_median"),
+        "power_w_median": med("power_w_median"), "power_w_max": high("power_w_max"),
+        "power_limit_w": med("power_limit_w"), "temp_c_max": high("temp_c_max"),
         "reasons": reasons,  # the highest share each reason had in any run
         "energy_j": med("energy_j"), "mean_power_w": med("mean_power_w"),
         "energy_per_gemm_mj": med("energy_per_gemm_mj"),

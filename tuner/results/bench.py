@@ -308,8 +308,9 @@ def clock_texts(row: dict) -> list[str]:
     without saying which clock regime it came from."""
     if row.get("regime") in (None, UNKNOWN):
         return [UNKNOWN] * len(CLOCK_HEAD)
-    sm = (f"{row['sm_mhz_median']:.0f} ({row['sm_mhz_min']:.0f})" if row.get("sm_mhz_median") is not None
-          else "-")
+    sm = _f(row.get("sm_mhz_median"), ".0f")
+    if row.get("sm_mhz_median") is not None and row.get("sm_mhz_min") is not None:
+        sm += f" ({row['sm_mhz_min']:.0f})"
     return [sm, _f(row.get("power_w_median"), ".0f"), str(row["regime"]), _f(row.get("energy_per_gemm_mj"), ".3g")]
 
 

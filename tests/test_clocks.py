@@ -487,3 +487,19 @@ def test_bench_cli_table_prints_the_clock_columns(tmp_path, monkeypatch):
     assert "1560 (1365)" in line_a and "694" in line_a and "power-capped" in line_a and "25" in line_a
     line_b = next(ln for ln in text.splitlines() if B in ln and "offline" in ln and "wmma" in ln)
     assert line_b.count("unknown") == 4, line_b
+
+
+def test_the_pci_bus_id_comes_from_cupy(monkeypatch):
+    from types import SimpleNamespace
+
+    def no_bus_id(device):
+        raise AttributeError("deviceGetPCIBusId")
+
+    props = {"pciDomainID": 0, "pciBusID": 0x1B, "pciDeviceID": 0}
+    runtime = SimpleNamespace(deviceGetPCIBusId=lambda d: f"0000:{0x1B + d:02X}:00.0",
+                              getDeviceProperties=lambda d: props)
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Device=lambda: SimpleNamespace(id=1)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert clocks._cuda_pci_bus_id() == "0000:1C:00.0"  # the current device's, not device 0's by NVML's count
+    runtime.deviceGetPCIBusId = no_bus_id
+    assert clocks._cuda_pci_bus_id() == "0000:1b:00.0"

@@ -121,8 +121,17 @@ def _cuda_pci_bus_id() -> str | None:
     try:
         import cupy
 
-        return str(cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id))
+        device = cupy.cuda.Device().id
     except Exception:  # noqa: BLE001 - no cupy, no device: the caller tries the other ways
+        return None
+    try:
+        return str(cupy.cuda.runtime.deviceGetPCIBusId(device))
+    except Exception:  # noqa: BLE001 - a cupy without it: the same id from the device properties
+        pass
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(device)
+        return f"{int(props['pciDomainID']):04x}:{int(props['pciBusID']):02x}:{int(props['pciDeviceID']):02x}.0"
+    except Exception:  # noqa: BLE001
         return None
 
 

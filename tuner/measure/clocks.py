@@ -298,7 +298,7 @@ def summarize(samples: list[tuple[float, float, float, float, int]], *, seconds:
     busy = [m for m in masks if not m & 0x1]
     rec: dict[str, Any] = {
         "available": True, "mode": mode, "samples": len(samples), "interval_ms": round(interval_s * 1000.0, 3),
-        "seconds": round(seconds, 6),
+        "seconds": round(seconds, 9),
         "sm_mhz_min": min(sm), "sm_mhz_median": statistics.median(sm), "sm_mhz_max": max(sm),
         "mem_mhz_median": statistics.median(s[1] for s in samples),
         "power_w_median": round(statistics.median(power), 3), "power_w_max": round(max(power), 3),

@@ -62,7 +62,9 @@ BENCH_HELP = (
     "in one worker process, in each --mode. With --repeats R, R such runs per shape, each in a fresh worker "
     "process: median times, the median of the per-run ratios and their range.\n\n"
     "Writes, per shape and mode: our us, TFLOP/s, % of roofline, every baseline's us, the speedup over each "
-    "(baseline us / ours us) and whether it verified; then the geomean speedup per baseline and mode "
+    "(baseline us / ours us), the clock regime it was timed in (SM MHz median and minimum, power, regime: "
+    "power-capped, thermal, full clocks or unknown, and the section's energy per GEMM) and whether it "
+    "verified; then the geomean speedup per baseline and mode "
     "(bench.csv, bench_geomean.csv, bench.md, bench.json under --out). A kernel that fails verification is "
     "a row saying why, never a win; a baseline that cannot be measured is named in the notes; entries tuned "
     "on another GPU are skipped and listed.\n\n"
@@ -120,12 +122,14 @@ def bench(
     runs = f", {repeats} runs each" if repeats > 1 else ""
     table = Table(title=f"bench on {result['gpu']} ({result['arch']}){runs}: vs X = X us / ours us")
     for col in ("shape", "mode", "family", "ours us", "TFLOP/s", "cuBLAS us",
-                *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), "verified"):
-        table.add_column(col, justify="left" if col in ("shape", "mode", "family", "verified") else "right")
+                *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), *bm.CLOCK_HEAD, "verified"):
+        table.add_column(col, justify="left" if col in ("shape", "mode", "family", "verified", "clock regime")
+                         else "right")
     for r in result["rows"]:
         verified = "yes" if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r['reason']))}"
         table.add_row(r["shape"], r["mode"], r["family"], fmt(r["ours_us"], ".2f"), fmt(r["ours_tflops"], ".1f"),
-                      fmt(r["cublas_us"], ".2f"), *(bm._speedup_cell(r, b) for b in bm.BASELINES), verified)
+                      fmt(r["cublas_us"], ".2f"), *(bm._speedup_cell(r, b) for b in bm.BASELINES),
+                      *(escape(c) for c in bm.clock_texts(r)), verified)
     out_console.print(table)
     geo = Table("baseline", *modes, title="geomean speedup (baseline us / ours us)")
     by = {(g["mode"], g["baseline"]): g for g in result["geomeans"]}

@@ -12,6 +12,7 @@ from rich.table import Table
 from tuner import api
 from tuner.cli import options as o
 from tuner.cli.views import CliListener, console, fmt, out_console, summary_table
+from tuner.measure.clocks import regime_text
 
 
 def _interrupted(hint: str) -> typer.Exit:
@@ -139,8 +140,8 @@ def sweep(
     # The export's pick: our kernel only where it beat the vendor library, else cuBLAS.
     picks = {e.get("shape"): e.get("pick") for e in res.export["entries"]}
     exported = {e["study"]: e for e in res.export["entries"]}
-    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "pick", "trials", "confirmed",
-                  title="sweep" + ("  [SIMULATED]" if backend == "replay" else ""))
+    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "clock regime", "pick", "trials",
+                  "confirmed", title="sweep" + ("  [SIMULATED]" if backend == "replay" else ""))
     for st in res.studies:
         e = exported.get(st.study_name, {})
         shp = st.user_attrs.get("shape", "?")
@@ -148,7 +149,8 @@ def sweep(
         table.add_row(shp, e.get("family", "-"), fmt(e.get("time_us"), ".2f"), fmt(e.get("tflops"), ".1f"),
                       fmt(e.get("baselines_us", {}).get("cublas"), ".2f"),
                       fmt(e.get("speedup", {}).get("cublas"), ".3f"),
-                      str(picks.get(shp, "-")), str(measured_trials(st)),
+                      escape(regime_text(e.get("clocks"))) if e else "-", str(picks.get(shp, "-")),
+                      str(measured_trials(st)),
                       "-" if not conf else (f"{conf['runs']} runs" if conf["verified"] else "[red]failed[/]"))
     out_console.print(table)
     for shp, why in res.skipped:

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from tuner.api import Listener
 from tuner.measure import CompareReply
+from tuner.measure.clocks import combine, regime_text
 from tuner.search import Progress as SearchProgress
 from tuner.search import StudyMeta, TrialRecord, best_per_family, study_stats
 from tuner.space import Shape
@@ -121,6 +122,7 @@ def confirm_table(record: dict[str, Any]) -> Table:
                       " ".join(fmt(t, ".2f") for t in k["times_us"]), fmt(k["speedup_cublas"], ".3f"),
                       "yes" if k["verified"] else f"[red]no[/]: {escape(str(k['reason']))}")
     table.caption = "* exported" if record["winner"] is not None else "[red]no kernel passed every run[/]"
+    table.caption += f"; clock regime of the runs: {escape(regime_text(combine(record.get('clocks') or [])))}"
     return table
 
 
@@ -132,13 +134,14 @@ def summary_table(study: optuna.Study) -> Table:
     title = f"{shape} on {target.name} ({target.arch})" + ("  [SIMULATED: replayed measurements]"
                                                           if meta.simulated else "")
     table = Table(title=title)
-    for col in ("family", "trial", "time us", "TFLOP/s", "% roofline", "cuBLAS us", "vs cuBLAS", "config"):
-        table.add_column(col, justify="right" if col not in ("family", "config") else "left")
+    for col in ("family", "trial", "time us", "TFLOP/s", "% roofline", "cuBLAS us", "vs cuBLAS", "clock regime",
+                "config"):
+        table.add_column(col, justify="right" if col not in ("family", "clock regime", "config") else "left")
     for t in sorted(best_per_family(study).values(), key=lambda t: t.value):
         a = TrialRecord.of(t)
         table.add_row(a.family, str(t.number), fmt(t.value, ".2f"), fmt(a.tflops, ".1f"),
                       fmt(100 * roof / t.value, ".1f"), fmt(a.cublas_us, ".2f"), fmt(a.speedup_cublas, ".3f") + "x",
-                      json.dumps(a.kernel, separators=(",", ":")))
+                      escape(regime_text(a.clocks)), json.dumps(a.kernel, separators=(",", ":")))
     stats = study_stats(study)
     table.caption = (f"{stats['trials']} trials measured, {stats['ok']} verified, "
                      f"{stats['invalid_rejected']} rejected before nvcc, {stats['duplicates']} duplicates; "
@@ -147,5 +150,6 @@ def summary_table(study: optuna.Study) -> Table:
                      + (f"; {stats['not_recorded']} not recorded in the replay file (not measured)"
                         if stats["not_recorded"] else "")
                      + (f"; {stats['other_gpu']} verified trials measured on another GPU model are not ranked"
-                        if stats["other_gpu"] else ""))
+                        if stats["other_gpu"] else "")
+                     + "; clock regime: the SM clock's regime while the trial was timed (unknown: not recorded)")
     return table

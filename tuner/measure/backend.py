@@ -40,6 +40,8 @@ class Measurement:
     gpu: str = ""
     seconds: float = 0.0
     gpu_state: dict[str, Any] = field(default_factory=dict)  # SM clock / power / temperature after timing
+    # The clock regime while it was timed (tuner.measure.clocks record); {} from older replay files.
+    clocks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -163,7 +163,7 @@ class GpuBackend:
         status = reply.status if reply.status in ("ok", "timeout", "fault") else "failed"
         return Measurement(status=status, kind=reply.kind, reason=reply.reason, times_us=reply.times,
                            baselines_us=reply.baselines, verify=reply.verify, gpu=self.name,
-                           seconds=time.perf_counter() - start, gpu_state=reply.gpu_state)
+                           seconds=time.perf_counter() - start, gpu_state=reply.gpu_state, clocks=reply.clocks)
 
     def compare(self, shape: Shape, candidates: dict[str, CandidateSpec], timeout_s: float = 300.0,
                 modes: list[str] | None = None, torch: bool = True) -> CompareReply:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: clock records (clocks, clocks_by_mode)
 MODES = ("offline", "server")
 
 
@@ -106,6 +106,7 @@ class HelloReply(Reply):
 @dataclass
 class BaselineReply(Reply):
     baselines: dict[str, float] = field(default_factory=dict)
+    clocks: dict[str, Any] = field(default_factory=dict)          # tuner.measure.clocks record of the timing
 
 
 @dataclass
@@ -113,7 +114,10 @@ class EvaluateReply(Reply):
     times: dict[str, float] = field(default_factory=dict)       # variant (JSON) -> us
     baselines: dict[str, float] = field(default_factory=dict)
     verify: dict[str, Any] = field(default_factory=dict)
-    gpu_state: dict[str, Any] = field(default_factory=dict)
+    # SM clock, power, throttle reasons and energy while the variants and cuBLAS were timed:
+    # a tuner.measure.clocks record ({"available": false, "reason": ...} without NVML).
+    clocks: dict[str, Any] = field(default_factory=dict)
+    gpu_state: dict[str, Any] = field(default_factory=dict)     # older summary of `clocks` (SM, power, temp)
 
 
 @dataclass
@@ -122,6 +126,8 @@ class CompareReply(Reply):
     times: dict[str, float] = field(default_factory=dict)        # offline if timed, else the first mode
     times_by_mode: dict[str, dict[str, float]] = field(default_factory=dict)
     verify: dict[str, dict[str, Any]] = field(default_factory=dict)  # candidate -> its verification report
+    clocks: dict[str, Any] = field(default_factory=dict)         # the clock record of `times`' mode
+    clocks_by_mode: dict[str, dict[str, Any]] = field(default_factory=dict)  # mode -> tuner.measure.clocks record
     gpu_state: dict[str, Any] = field(default_factory=dict)
     gpu_state_by_mode: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)          # baselines not measured, how torch was timed
@@ -130,6 +136,12 @@ class CompareReply(Reply):
         if not self.times_by_mode and mode == "offline":
             return self.times  # a reply of offline timing only
         return self.times_by_mode.get(mode) or {}
+
+    def clocks_in(self, mode: str) -> dict[str, Any]:
+        """The clock record of one mode's timing ({} where the worker sent none: an older reply)."""
+        if not self.clocks_by_mode and mode == "offline":
+            return self.clocks
+        return self.clocks_by_mode.get(mode) or {}
 
 
 REPLIES: dict[type, type] = {HelloRequest: HelloReply, BaselineRequest: BaselineReply,

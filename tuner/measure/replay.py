@@ -1,7 +1,9 @@
 """ReplayBackend: measurements replayed from a JSONL file of real GPU measurements.
 
 Everything it returns is marked simulated; a config that is not in the file is reported as
-not recorded (no time is invented). `record_measurement` and `record_baseline` write the file.
+not recorded (no time is invented). A record carries the clock regime it was measured in
+(`clocks`, tuner.measure.clocks); files written before that load with none ({}).
+`record_measurement` and `record_baseline` write the file.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class ReplayBackend:
                     m = rec["measurement"]
                     if not isinstance(m["status"], str) or not isinstance(m.get("times_us", {}), dict):
                         raise TypeError("measurement needs a status and a times_us mapping")
+                    if not isinstance(m.get("clocks", {}), dict):
+                        raise TypeError("measurement clocks is not a mapping")
                     for variant in m.get("times_us", {}):
                         json.loads(variant)  # variant keys are JSON objects of run-time knobs
                     self.records[(shape, config_key(rec["family"], rec["config"]))] = rec

@@ -3,7 +3,7 @@ interleaved in random order) and server (single launches after an L2 flush and a
 
 from __future__ import annotations
 
-import os
+import contextlib
 import random
 import time
 from typing import Any
@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from tuner.measure.buffers import Buffers
+from tuner.measure.clocks import ClockSampler
 from tuner.measure.device import KernelFault, abandon_capture, sync_or_fault
 from tuner.measure.device import cp as _cp
 
@@ -50,11 +51,15 @@ def _dropped(name: str, mode: str, exc: Exception, stream, notes: dict[str, str]
 
 
 def time_graphs(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Random,
-                notes: dict[str, str] | None = None) -> dict[str, float]:
+                notes: dict[str, str] | None = None, sampler: ClockSampler | None = None) -> dict[str, float]:
     """Offline mode: per contender a CUDA graph of back-to-back launches; replays of all
     contenders interleaved in random order; median replay time / launches, in us.
 
-    With `notes`, a contender that cannot be set up is left out and `notes[name]` says why."""
+    With `notes`, a contender that cannot be set up is left out and `notes[name]` says why.
+    With `sampler` (tuner.measure.clocks), the timed replays are its section: it samples the SM
+    clock, power and throttle reasons while they run and is stopped with the section's GEMM
+    count (every contender's launches: the energy is not split between contenders; see
+    tuner.measure.clocks); its record is `sampler.result`."""
     cp = _cp()
     graphs = {}
     for name, launch in contenders.items():
@@ -80,16 +85,22 @@ def time_graphs(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Ra
     order = list(graphs)
     events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(REPLAYS * len(order))]
     pending = []
-    for r in range(REPLAYS):
-        rng.shuffle(order)
-        for i, name in enumerate(order):
-            graph, n = graphs[name]
-            start, end = events[r * len(order) + i]
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            pending.append((name, n, start, end))
-    sync_or_fault(stream)
+    if sampler is not None:
+        sampler.start()
+    try:
+        for r in range(REPLAYS):
+            rng.shuffle(order)
+            for i, name in enumerate(order):
+                graph, n = graphs[name]
+                start, end = events[r * len(order) + i]
+                start.record(stream)
+                graph.launch(stream)
+                end.record(stream)
+                pending.append((name, n, start, end))
+        sync_or_fault(stream)
+    finally:
+        if sampler is not None:
+            sampler.stop(gemms=sum(n for _, n, _, _ in pending))
     for name, n, start, end in pending:
         samples[name].append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / n)
     return {name: float(np.median(v)) for name, v in samples.items()}
@@ -123,7 +134,8 @@ def _idle(seconds: float) -> None:
 
 def time_server(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Random,
                 launches: int = SERVER_LAUNCHES, flush=None, gap_us: tuple[float, float] = SERVER_GAP_US,
-                budget_ms: float = SERVER_BUDGET_MS, notes: dict[str, str] | None = None) -> dict[str, float]:
+                budget_ms: float = SERVER_BUDGET_MS, notes: dict[str, str] | None = None,
+                sampler: ClockSampler | None = None) -> dict[str, float]:
     """Server mode: many single launches, each cold and from an idle GPU; median in us.
 
     Before every launch: overwrite the L2 flush buffer (`flush(stream)`: >= 2x the L2 size),
@@ -133,7 +145,11 @@ def time_server(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Ra
     cudaGraphLaunch for every contender alike (cuBLAS's and torch's host overhead and
     Python's call overhead are not timed, as in offline mode). `launches` rounds at most,
     fewer when the slowest contender would exceed `budget_ms` of kernel time (never fewer
-    than SERVER_MIN_LAUNCHES)."""
+    than SERVER_MIN_LAUNCHES).
+
+    With `sampler` (tuner.measure.clocks), the timed rounds are its section (flushes and idle
+    gaps included, so it gives the section's energy but no energy per GEMM); it takes no
+    sample between the events of a timed launch (`sampler.quiet()`)."""
     cp = _cp()
     flush = flush if flush is not None else L2Flush()
     singles, est = {}, {}
@@ -159,17 +175,25 @@ def time_server(contenders: dict[str, Any], buf: Buffers, stream, rng: random.Ra
     rounds = min(launches, max(SERVER_MIN_LAUNCHES, int(budget_ms / max(est.values()))))
     samples: dict[str, list[float]] = {name: [] for name in singles}
     order = list(singles)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            flush(stream)
-            sync_or_fault(stream)
-            _idle(rng.uniform(*gap_us) * 1e-6)
-            start.record(stream)
-            singles[name].launch(stream)
-            end.record(stream)
-            sync_or_fault(end)
-            samples[name].append(cp.cuda.get_elapsed_time(start, end) * 1000.0)
+    if sampler is not None:
+        sampler.start()
+    quiet = sampler.quiet if sampler is not None else contextlib.nullcontext
+    try:
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for name in order:
+                flush(stream)
+                sync_or_fault(stream)
+                _idle(rng.uniform(*gap_us) * 1e-6)
+                with quiet():
+                    start.record(stream)
+                    singles[name].launch(stream)
+                    end.record(stream)
+                sync_or_fault(end)
+                samples[name].append(cp.cuda.get_elapsed_time(start, end) * 1000.0)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     return {name: float(np.median(v)) for name, v in samples.items() if v}
 
 
@@ -198,18 +222,3 @@ class EagerReplay:
     def launch(self, stream) -> None:
         for _ in range(self.n):
             self.call(self.buf, stream)
-
-
-def gpu_state() -> dict[str, Any]:
-    """SM clock, power and temperature right after timing: to tell throttling from slowness."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)}
-    except Exception:  # noqa: BLE001 - NVML is optional: no state is better than a failed trial
-        return {}

@@ -20,6 +20,7 @@ import traceback
 from tuner.measure import verify
 from tuner.measure.buffers import Buffers
 from tuner.measure.candidates import LaunchRefused, LibraryCandidate, load_candidate
+from tuner.measure.clocks import ClockSampler, gpu_state
 from tuner.measure.device import KernelFault
 from tuner.measure.device import cp as _cp
 from tuner.measure.protocol import (
@@ -39,7 +40,7 @@ from tuner.measure.protocol import (
     decode_request,
     encode_reply,
 )
-from tuner.measure.timing import SERVER_GAP_US, L2Flush, gpu_state, time_graphs, time_server
+from tuner.measure.timing import SERVER_GAP_US, L2Flush, time_graphs, time_server
 from tuner.measure.vendors import BASELINES, Cublas, CublasLt, torch_contender
 
 
@@ -92,8 +93,9 @@ class Worker:
         buf = self.buffers_for(req.shape)
         verify.fill_normal(buf)
         cublas = self.cublas_for(req.accumulate)
-        times = time_graphs({"cublas": lambda b, s: cublas(b, s)}, buf, self.stream, self.rng)
-        return BaselineReply(baselines=times)
+        sampler = ClockSampler("offline")
+        times = time_graphs({"cublas": lambda b, s: cublas(b, s)}, buf, self.stream, self.rng, sampler=sampler)
+        return BaselineReply(baselines=times, clocks=sampler.result)
 
     def evaluate(self, req: EvaluateRequest) -> EvaluateReply:
         """Verify then time one binary (all its run-time variants) against cuBLAS."""
@@ -127,13 +129,15 @@ class Worker:
             verify.fill_normal(buf)
             contenders = dict(launchers)
             contenders["cublas"] = cublas
-            times = time_graphs(contenders, buf, self.stream, self.rng)
+            sampler = ClockSampler("offline")
+            times = time_graphs(contenders, buf, self.stream, self.rng, sampler=sampler)
         except KernelFault as exc:
             return EvaluateReply(status="fault", kind="fault", reason=f"CUDA error: {exc}", fatal=True)
         except LaunchRefused as exc:
             return EvaluateReply(status="failed", kind="refused", reason=str(exc))
         baselines = {"cublas": times.pop("cublas")}
-        return EvaluateReply(verify=report, times=dict(times), baselines=baselines, gpu_state=gpu_state())
+        return EvaluateReply(verify=report, times=dict(times), baselines=baselines, clocks=sampler.result,
+                             gpu_state=gpu_state(sampler.result))
 
 
     def l2_flush(self) -> L2Flush:
@@ -147,7 +151,8 @@ class Worker:
         in random order in one run, in each requested mode (`modes`: offline, server).
 
         Replies `times_by_mode` {mode: {name: us}} and `times` (offline if requested, else
-        the first mode). A baseline that could not be measured is named in `notes`."""
+        the first mode), and `clocks_by_mode` {mode: clock record of that mode's timing section}
+        (tuner.measure.clocks). A baseline that could not be measured is named in `notes`."""
         modes = list(req.modes or ["offline"])
         unknown = [m for m in modes if m not in MODES]
         if unknown or len(set(modes)) != len(modes):
@@ -191,23 +196,27 @@ class Worker:
         else:
             notes["torch"] = "not measured: not requested"
         verify.fill_normal(buf)
-        times_by_mode, states = {}, {}
+        times_by_mode, clocks = {}, {}
         for mode in modes:
+            sampler = ClockSampler(mode)
             if mode == "offline":
-                times_by_mode[mode] = time_graphs(contenders, buf, self.stream, self.rng, notes=notes)
+                times_by_mode[mode] = time_graphs(contenders, buf, self.stream, self.rng, notes=notes,
+                                                  sampler=sampler)
             else:
                 times_by_mode[mode] = time_server(contenders, buf, self.stream, self.rng, flush=self.l2_flush(),
-                                                  notes=notes)
+                                                  notes=notes, sampler=sampler)
                 notes["server"] = (f"single launches, each a 1-launch CUDA graph after an L2 flush "
                                    f"({self.l2_flush().nbytes >> 20} MiB overwritten), a synchronize and an idle "
                                    f"gap of {SERVER_GAP_US[0]:g}-{SERVER_GAP_US[1]:g} us; median")
-            states[mode] = gpu_state()
+            clocks[mode] = sampler.result
             for name in BASELINES:
                 if name not in times_by_mode[mode] and name not in notes:
                     notes[name] = f"not measured ({mode}): no time came back"
         first = "offline" if "offline" in modes else modes[0]
+        states = {mode: gpu_state(rec) for mode, rec in clocks.items()}
         return CompareReply(modes=modes, times=times_by_mode[first], times_by_mode=times_by_mode, verify=reports,
-                            gpu_state=states[first], gpu_state_by_mode=states, notes=notes)
+                            clocks=clocks[first], clocks_by_mode=clocks, gpu_state=states[first],
+                            gpu_state_by_mode=states, notes=notes)
 
 
 def serve(worker: Worker, req) -> Reply:

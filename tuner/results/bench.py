@@ -30,16 +30,22 @@ from typing import Any
 
 from tuner.errors import UserError
 from tuner.measure import CandidateSpec, CompareReply
+from tuner.measure.clocks import UNKNOWN, clock_cells, combine
 from tuner.measure.protocol import MODES
 from tuner.results.entries import entry_build
 from tuner.space import Shape, parse_shape
 
 BASELINES = ("cublas", "cublaslt", "cublaslt_auto", "torch")
+# The clock regime of the row's timing section (tuner.measure.clocks), medians over the runs;
+# `regime` is "unknown" where no run has a clock record (no NVML, an older worker).
+CLOCK_FIELDS = ("sm_mhz_median", "sm_mhz_min", "power_w_median", "regime", "energy_per_gemm_mj")
+CLOCK_HEAD = ("SM MHz med (min)", "power W", "clock regime", "mJ/GEMM (section)")
 LABELS = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "cublaslt_auto": "cuBLASLt-auto", "torch": "torch"}
 ROW_FIELDS = (["shape", "M", "N", "K", "mode", "family", "status", "verified", "reason",
                "ours_us", "ours_tflops", "roofline_pct"]
               + [f"{b}_us" for b in BASELINES] + [f"speedup_{b}" for b in BASELINES]
-              + ["speedup_cublas_min", "speedup_cublas_max", "runs", "export_us", "pick", "knobs", "notes"])
+              + ["speedup_cublas_min", "speedup_cublas_max", "runs"]
+              + list(CLOCK_FIELDS) + ["export_us", "pick", "knobs", "notes"])
 GEOMEAN_FIELDS = ["mode", "baseline", "geomean_speedup", "n", "wins", "ok_rows"]
 # A time under the roofline (datasheet peak / bandwidth) by more than this is a measurement bug.
 ROOFLINE_SLACK = 0.98
@@ -114,7 +120,8 @@ def _base_row(entry: dict[str, Any], mode: str) -> dict[str, Any]:
     row: dict[str, Any] = {k: None for k in ROW_FIELDS}
     row.update(shape=entry["shape"], M=entry["M"], N=entry["N"], K=entry["K"], mode=mode, family=entry["family"],
                verified=False, export_us=entry.get("time_us"), pick=entry.get("pick"),
-               knobs=json.dumps(entry["knobs"], sort_keys=True, separators=(",", ":")), notes="")
+               knobs=json.dumps(entry["knobs"], sort_keys=True, separators=(",", ":")), notes="",
+               clocks={})  # the full clock record: bench.json only (the CSV has its CLOCK_FIELDS)
     return row
 
 
@@ -158,6 +165,8 @@ def shape_rows(entries: dict[str, dict], replies: list[CompareReply], modes: lis
             row = _base_row(entry, mode)
             row["runs"] = len(replies)
             runs = [reply.times_in(mode) if reply.ok else {} for reply in replies]
+            clocks = combine([reply.clocks_in(mode) if reply.ok else {} for reply in replies])
+            row.update(clock_cells(clocks), clocks=clocks)
             for b in BASELINES:
                 row[f"{b}_us"] = _median([t.get(b) for t in runs])
             row["notes"] = "; ".join(warnings.get(name, []) + baseline_notes)
@@ -250,8 +259,11 @@ def _compare(backend, shape: Shape, candidates: dict[str, CandidateSpec], modes:
     if reply.ok or len(candidates) < 2:
         return reply
     merged = CompareReply(modes=list(modes), times_by_mode={m: {} for m in modes})
+    sections: dict[str, list[dict]] = {m: [] for m in modes}
     for name, cand in candidates.items():
         one = backend.compare(shape, {name: cand}, timeout_s=timeout_s, modes=modes, torch=torch)
+        for m in modes:
+            sections[m].append(one.clocks_in(m) if one.ok else {})
         if not one.ok:
             merged.verify[name] = {"ok": False, "kind": one.kind or one.status,
                                    "reason": f"compare failed: {one.reason}"}
@@ -262,6 +274,8 @@ def _compare(backend, shape: Shape, candidates: dict[str, CandidateSpec], modes:
             for k, v in one.times_in(m).items():
                 if k == name or k not in merged.times_by_mode[m]:
                     merged.times_by_mode[m][k] = v  # baselines: from the first run that timed them
+    # One record per mode for the separate compares together (each row's regime spans them all).
+    merged.clocks_by_mode = {m: combine(recs) for m, recs in sections.items()}
     return merged
 
 
@@ -286,6 +300,18 @@ def write_csv(rows: list[dict], fields: list[str], path: Path) -> Path:
 
 def _f(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
+
+
+def clock_texts(row: dict) -> list[str]:
+    """The row's clock cells as tables print them: SM MHz "median (min)", power W, regime, mJ per
+    GEMM of the section. "unknown" where the row has no clock record: a time is never shown
+    without saying which clock regime it came from."""
+    if row.get("regime") in (None, UNKNOWN):
+        return [UNKNOWN] * len(CLOCK_HEAD)
+    sm = _f(row.get("sm_mhz_median"), ".0f")
+    if row.get("sm_mhz_median") is not None and row.get("sm_mhz_min") is not None:
+        sm += f" ({row['sm_mhz_min']:.0f})"
+    return [sm, _f(row.get("power_w_median"), ".0f"), str(row["regime"]), _f(row.get("energy_per_gemm_mj"), ".3g")]
 
 
 def _verified(row: dict) -> str:
@@ -328,16 +354,24 @@ def markdown(result: dict[str, Any], source: str = "") -> str:
     if "server" in modes:
         lines.append("- server: single launches (one-launch CUDA graphs), each after an L2 flush (a buffer of "
                      "2x the L2 overwritten) and a random 20-500 us idle gap; median.")
+    lines.append("- clocks: NVML sampled every 15 ms while each mode's timing ran (all contenders of the shape "
+                 "together): SM MHz median (min), power W median, the regime (power-capped: the software power cap "
+                 "held the clock in >= 20% of the busy samples; thermal; full clocks; unknown: no clock record), "
+                 "and the section's energy per GEMM over every contender's launches (offline only; not split "
+                 "between contenders).")
     head = (["shape", "mode", "family", "ours us", "TFLOP/s", "% roofline"]
-            + [f"{LABELS[b]} us" for b in BASELINES] + [f"vs {LABELS[b]}" for b in BASELINES] + ["verified"])
+            + [f"{LABELS[b]} us" for b in BASELINES] + [f"vs {LABELS[b]}" for b in BASELINES] + ["verified"]
+            + list(CLOCK_HEAD))
+    left = ("shape", "mode", "family", "verified", "clock regime")
     lines += ["", "| " + " | ".join(head) + " |",
-              "|" + "|".join("---" if h in ("shape", "mode", "family", "verified") else "---:" for h in head) + "|"]
+              "|" + "|".join("---" if h in left else "---:" for h in head) + "|"]
     for r in result["rows"]:
         cells = [r["shape"], r["mode"], r["family"], _f(r["ours_us"], ".2f"), _f(r["ours_tflops"], ".1f"),
                  _f(r["roofline_pct"], ".1f")]
         cells += [_f(r[f"{b}_us"], ".2f") for b in BASELINES]
         cells += [_speedup_cell(r, b) for b in BASELINES]
         cells.append(_verified(r))
+        cells += clock_texts(r)
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if not result["rows"]:
         lines.append("| " + " | ".join(["-"] * len(head)) + " |")

@@ -15,12 +15,16 @@ from tuner.version import __version__
 
 def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial, confirmed: dict | None = None) -> dict[str, Any]:
     """The export entry of one trial; `confirmed` (tuner.search.confirmation) replaces its
-    in-study time and cuBLAS time with the medians of the confirmation runs."""
+    in-study time and cuBLAS time with the medians of the confirmation runs, and its clock
+    record with those runs' records together. `clocks` is the clock regime the time was
+    measured in (tuner.measure.clocks), `{"available": false, "reason": ...}` where unknown."""
     meta = StudyMeta.of(study)
     shape, target = meta.shape_record, meta.target_record
     a = TrialRecord.of(trial)
     assert a.time_us is not None, f"trial {trial.number} has no time"
     time_us, baselines, speedups = a.time_us, {"cublas": a.cublas_us}, {"cublas": a.speedup_cublas}
+    clocks: dict[str, Any] = a.clocks or {"available": False, "reason": "no clock record (measured before "
+                                                                      "clocks were recorded, or without NVML)"}
     extra: dict[str, Any] = {}
     if confirmed is not None:
         extra["confirm"] = {k: confirmed[k] for k in ("runs", "top", "verified", "reason", "in_study_us", "times_us")}
@@ -28,6 +32,7 @@ def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial, confirmed: dict 
             time_us = confirmed["median_us"]
             baselines = {v: confirmed[f"{v}_us"] for v in VENDORS}
             speedups = {v: confirmed[f"speedup_{v}"] for v in VENDORS}
+            clocks = confirmed.get("clocks") or clocks
         else:  # failed re-verification: never the pick
             speedups = {"cublas": None}
     roof = target.roofline_us(shape.flops, shape.min_bytes)
@@ -40,7 +45,7 @@ def entry(study: optuna.Study, trial: optuna.trial.FrozenTrial, confirmed: dict 
         "baselines_us": baselines, "speedup": speedups,
         "beats_vendor": bool(speedups["cublas"] and speedups["cublas"] > 1.0),
         "pick": a.family if (speedups["cublas"] or 0) > 1.0 else "cublas",
-        "verification": a.verify, "simulated": bool(a.simulated),
+        "verification": a.verify, "simulated": bool(a.simulated), "clocks": clocks,
         "study": study.study_name, "trial": trial.number, "measured_on": a.gpu or None,
     } | extra
 

@@ -24,6 +24,7 @@ import optuna
 from tuner.build import RenderError, render
 from tuner.errors import UserError
 from tuner.measure import CandidateSpec, CompareReply, candidate_spec
+from tuner.measure.clocks import combine
 from tuner.search.records import StudyMeta, TrialRecord, confirm_record, store_confirm_record
 from tuner.search.studies import current_ok, gpu_model
 
@@ -123,6 +124,8 @@ def summarize(trials: list, runs: list[CompareReply], failed: dict[str, str], gp
     winner = min(timed, key=lambda k: (k["median_us"], k["in_study_us"])) if timed else None
     return {"runs": len(runs), "top": len(trials), "gpu": gpu, "kernels": kernels,
             "winner": winner["trial"] if winner else None,
+            # each run's clock record (offline timing; {} from a failed run or an older worker)
+            "clocks": [reply.clocks_in("offline") if reply.ok else {} for reply in runs],
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -174,4 +177,7 @@ def confirmation(study: optuna.Study, in_study_best: optuna.trial.FrozenTrial | 
     if in_study_best.number not in kernels:
         return None
     chosen = kernels[record["winner"]] if record.get("winner") is not None else kernels[in_study_best.number]
-    return chosen | {"runs": record["runs"], "top": record["top"]}
+    # The runs' clock regimes together ("unknown" for a record stored before they were kept).
+    clocks = combine(record["clocks"]) if "clocks" in record else {
+        "available": False, "reason": "confirmed before clock records were kept"}
+    return chosen | {"runs": record["runs"], "top": record["top"], "clocks": clocks}

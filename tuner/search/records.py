@@ -73,6 +73,8 @@ class TrialRecord:
     gpu: str = ""
     duplicate_of: int | None = None
     gpu_state: dict[str, Any] = field(default_factory=dict)
+    # The clock regime of its measurement (tuner.measure.clocks record; {} in older studies).
+    clocks: dict[str, Any] = field(default_factory=dict)
     # Read back only: the trial's number and value (its time in us when COMPLETE).
     number: int | None = field(default=None, compare=False)
     value: float | None = field(default=None, compare=False)
@@ -111,7 +113,7 @@ class TrialRecord:
 
     def apply(self, m: Measurement, shape: Shape, peak_tflops: float) -> TrialRecord:
         """Fill the record from a measurement; a time faster than the hardware is a failure."""
-        self.simulated, self.gpu, self.gpu_state = m.simulated, m.gpu, m.gpu_state
+        self.simulated, self.gpu, self.gpu_state, self.clocks = m.simulated, m.gpu, m.gpu_state, m.clocks
         self.verify = m.verify
         self.variant_times_us = m.times_us
         self.cublas_us = m.baselines_us.get("cublas")

@@ -166,7 +166,7 @@ def replay_records(study: optuna.Study) -> list[dict]:
             continue
         m = Measurement(status=str(r.status), kind=r.kind, reason=r.reason, times_us=r.variant_times_us,
                         baselines_us={"cublas": r.cublas_us} if r.cublas_us else {},
-                        verify=r.verify, gpu=r.gpu, gpu_state=r.gpu_state)
+                        verify=r.verify, gpu=r.gpu, gpu_state=r.gpu_state, clocks=r.clocks)
         out.append({"shape": meta.shape, "family": r.family, "config": r.config, "measurement": m.to_dict(), **tag})
         if r.cublas_us:
             cublas.append(r.cublas_us)

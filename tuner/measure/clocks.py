@@ -1,4 +1,5 @@
 """The GPU's clock regime while a timing section ran: SM clock, power, throttle reasons, energy.
+(Over 400 lines on purpose: NVML's device lookup, sampling and the summary are one concern.)
 
 Worker side: `ClockSampler` reads NVML (the `pynvml` module of the `nvidia-ml-py` package,
 imported on first use) in a background thread every `interval_s` while a section of timing

@@ -1,4 +1,5 @@
 """`hgemm-tune bench`: re-verify and time every exported kernel against the vendor libraries.
+(Over 400 lines on purpose: the rows and the files written from them share one row schema.)
 
 One pipeline stage on plain data. In: an export (tuner.results.schema, validated) and a
 backend whose `compare(shape, candidates, modes=...)` verifies the candidates and times them

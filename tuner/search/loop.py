@@ -28,12 +28,11 @@ from tuner.measure import Backend, EvalRequest, Measurement, config_key
 from tuner.search.compile_queue import Pending, finish, prepare
 from tuner.search.interrupts import INTERRUPTS
 from tuner.search.owners import this_process
-from tuner.search.records import Status, StudyMeta, TrialRecord, mark_telling
+from tuner.search.records import Status, StudyMeta, TrialRecord, mark_owner, mark_telling
 from tuner.search.sampler import (
     EXPLORE_AFTER,
     STALE_PROPOSALS,
     Claims,
-    ask_owned,
     check_accumulate,
     full_config,
     make_sampler,
@@ -165,11 +164,12 @@ class Search:
             with warnings.catch_warnings():
                 # We beat the heartbeat ourselves (Heartbeat), so Optuna's ask-side note is moot.
                 warnings.simplefilter("ignore", UserWarning)
-                # The owner: a kill -9 leaves the trial RUNNING, and the owner says it is dead.
-                trial = ask_owned(self.study, self.owner)
+                trial = self.study.ask()
             self.asks += 1
             self.stale += 1
             try:
+                # A kill -9 leaves the trial RUNNING; its owner says it is dead (tell.fail_orphans).
+                mark_owner(trial, self.owner)
                 fam, config = suggest(trial, self.families)
                 if self.stale % EXPLORE_AFTER == 0:
                     self._explore()

@@ -151,11 +151,6 @@ def mark_owner(trial: optuna.Trial, owner: dict[str, Any]) -> None:
     trial.set_user_attr("owner", owner)
 
 
-def owner_attrs(owner: dict[str, Any]) -> dict[str, Any]:
-    """The user attributes a trial is created with (`tuner.search.sampler.ask_owned`)."""
-    return {"owner": owner}
-
-
 def trial_owner(t: optuna.trial.FrozenTrial) -> dict[str, Any] | None:
     return t.user_attrs.get("owner")
 

@@ -4,7 +4,6 @@ then its compile-time knobs), seeds and nearby shapes' winners are enqueued firs
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
 import warnings
@@ -14,7 +13,7 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.measure import config_key
-from tuner.search.records import UNMEASURED_FAILS, Status, StudyMeta, TrialRecord, mark_owner, owner_attrs
+from tuner.search.records import UNMEASURED_FAILS, Status, StudyMeta, TrialRecord
 from tuner.search.studies import best_per_family
 from tuner.space import Family, Shape, Space, parse_shape
 
@@ -59,24 +58,6 @@ def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.
 def study_name(shape: Shape, families: list[Family], arch: str, layout: str = "TN", accumulate: str = "fp32") -> str:
     acc = {"fp32": "f32", "fp16": "f16"}[accumulate]
     return f"{shape}-{layout}-{acc}acc-{arch}-{'+'.join(f.name for f in families)}"
-
-
-def ask_owned(study: optuna.Study, owner: dict[str, Any]) -> optuna.Trial:
-    """`study.ask()`, with the asking process recorded as the trial's owner in the same write that
-    creates it, so that no kill leaves a running trial without an owner. (An enqueued trial is
-    popped, then marked: one killed in between has no owner and is failed by its age,
-    `tuner.search.tell.fail_orphans`.) What Optuna 4/5's Study.ask does, with the owner."""
-    study._thread_local.cached_all_trials = None  # sync the storage once every trial, as ask does
-    trial_id = study._pop_waiting_trial_id()
-    if trial_id is not None:
-        trial = optuna.Trial(study, trial_id)
-        mark_owner(trial, owner)
-        return trial
-    template = optuna.trial.FrozenTrial(
-        number=-1, state=optuna.trial.TrialState.RUNNING, value=None,
-        datetime_start=dt.datetime.now(), datetime_complete=None, params={}, distributions={},
-        user_attrs=owner_attrs(owner), system_attrs={}, intermediate_values={}, trial_id=-1)
-    return optuna.Trial(study, study._storage.create_new_trial(study._study_id, template_trial=template))
 
 
 def suggest(trial: optuna.Trial, families: list[Family]) -> tuple[Family, dict[str, Any]]:

@@ -60,8 +60,8 @@ def fail_held(study: optuna.Study, trial: optuna.Trial, status: Status, reason: 
         study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
 
 
-# A running trial with no owner is one whose process died between popping it from the queue and
-# recording itself (or a live process in those milliseconds): failed once it is this old.
+# A running trial with neither an owner nor params is one whose process died between asking it
+# and recording itself (or a live process in those milliseconds): failed once it is this old.
 OWNERLESS_GRACE_S = float(os.environ.get("HGEMM_TUNE_OWNERLESS_GRACE_S", "10"))
 
 

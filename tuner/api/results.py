@@ -12,7 +12,7 @@ from tuner.api.run import Options, families_for, make_backend
 from tuner.build import CompilePool, CompileResult, cutlass_include, nvcc_path, render
 from tuner.errors import UserError
 from tuner.results import bench as bench_stage
-from tuner.results import read_json
+from tuner.results import check_output, read_json, write_export
 from tuner.space import load_space, parse_shape, target_for_arch
 
 DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
@@ -30,7 +30,11 @@ def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torc
     if not data["entries"]:
         raise UserError(f"{export_file}: the export has no entries (no study had a verified kernel)")
     space = load_space(opts.space_file)
-    out.mkdir(parents=True, exist_ok=True)
+    check_entries(export_file, data, space)  # before the GPU starts
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write the bench results to {out}: {exc.strerror or exc}") from None
     be = make_backend(replace(opts, backend="gpu"), out / "worker.log")
     pool = None
     try:
@@ -50,6 +54,35 @@ def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torc
         if pool:
             pool.close()
     return result, bench_stage.write_outputs(result, out, str(export_file))
+
+
+def check_entries(export_file: Path, data: dict[str, Any], space) -> None:
+    """Every entry of an export names a family of the space, knobs it has, and a shape."""
+    for i, e in enumerate(data["entries"]):
+        try:
+            parse_shape(e["shape"])
+            space.family(e["family"]).complete_stored(e["knobs"])
+        except UserError as exc:
+            raise UserError(f"{export_file}: entries/{i} ({e.get('shape')}, {e.get('family')}): {exc}") from None
+
+
+def export(storage: str, output: Path, studies: list[str] | None = None) -> tuple[dict[str, Any], Path | None,
+                                                                                   str | None]:
+    """Export the best verified kernel of every study (or of `studies`) in a storage, opened
+    read-only, to `output`: (the export, the file written or None, a note). Nothing is written
+    when no study has a verified kernel; a storage without any study is a UserError."""
+    from tuner.results.export import export_studies
+    from tuner.search import load_studies
+
+    check_output(output)
+    found = load_studies(storage, studies, read_only=True)
+    if not found:
+        raise UserError(f"storage {storage} holds no study: nothing to export ({output} not written)")
+    data = export_studies(found)
+    if not data["entries"]:
+        return data, None, None
+    written, note = write_export(data, output)
+    return data, written, note
 
 
 @dataclass

@@ -126,15 +126,24 @@ def make_backend(opts: Options, log: Path | None = None) -> Backend:
     return GpuBackend(gpu=opts.gpu, log_path=log)
 
 
+def check_family_names(space: Space, names: list[str] | str | None, accumulate: str = "fp32") -> list[str] | None:
+    """The named families (a list, or a comma list), checked without a GPU: each is a family of
+    the space and builds this accumulation. None: none named (all that build it here)."""
+    if names is None:
+        return None
+    text, names = (names, split_list(names)) if isinstance(names, str) else (",".join(names), names)
+    if not names:
+        raise UserError(f"--families {text!r} names no family; families: {', '.join(space.families)}")
+    check_accumulate(space, names, accumulate)  # also: every name is a family
+    return names
+
+
 def families_for(space: Space, names: list[str] | str | None, target: Target, backend: Backend | None = None,
                  accumulate: str = "fp32") -> list[str]:
     """The families a run searches: those named (a list, or a comma list; checked), else all that
     build this problem here."""
+    names = check_family_names(space, names, accumulate)
     if names is not None:
-        text, names = (names, split_list(names)) if isinstance(names, str) else (",".join(names), names)
-        if not names:
-            raise UserError(f"--families {text!r} names no family; families: {', '.join(space.families)}")
-        check_accumulate(space, names, accumulate)  # also: every name is a family
         too_new = [n for n in names if target.cc < space.family(n).min_arch]
         if too_new:
             raise UserError(f"family {', '.join(too_new)} needs a newer GPU than {target.arch}")

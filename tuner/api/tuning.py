@@ -10,11 +10,21 @@ from typing import Any
 
 import optuna
 
-from tuner.api.run import Listener, Options, SweepResult, TuneResult, families_for, make_backend, measuring, split_list
+from tuner.api.run import (
+    Listener,
+    Options,
+    SweepResult,
+    TuneResult,
+    check_family_names,
+    families_for,
+    make_backend,
+    measuring,
+    split_list,
+)
 from tuner.build import CompilePool
 from tuner.errors import UserError
 from tuner.measure import Backend, record_baseline, record_measurement
-from tuner.results import write_json
+from tuner.results import check_output, write_export
 from tuner.results.export import export_studies
 from tuner.search import (
     Progress,
@@ -88,8 +98,12 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
     shp = parse_shape(shape) if isinstance(shape, str) else shape
     opts.check()
     space = load_space(opts.space_file)
+    # Every input is checked before the GPU starts: the families, the output, the storage.
+    check_family_names(space, opts.families, opts.accumulate)
+    if output:
+        check_output(output)
+    open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
     opts.runs_dir.mkdir(parents=True, exist_ok=True)
-    open_storage(opts.storage)  # a bad storage URL fails here, before the GPU starts
     be = make_backend(opts, opts.runs_dir / "worker.log")
     try:
         fams = families_for(space, opts.families, be.target, be, opts.accumulate)
@@ -118,10 +132,20 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
         with measuring(be, opts.jobs) as pool:
             confirm_best(space, st, be, pool, opts, listener)
     data = export_studies([st])
-    files = [write_json(data, opts.runs_dir / f"{name}.json")]
-    if output:
-        files.append(write_json(data, output))
+    files = _write_exports(data, [opts.runs_dir / f"{name}.json", *([output] if output else [])], listener)
     return TuneResult(st, data, files, seconds, before, measured_trials(st), evaluated_trials(st))
+
+
+def _write_exports(data: dict[str, Any], paths: list[Path], listener: Listener) -> list[Path]:
+    """Write the export to each path, never clobbering a better one (`write_export`); say what was kept."""
+    files = []
+    for path in paths:
+        written, note = write_export(data, path)
+        if note:
+            listener.message(note)
+        if written:
+            files.append(written)
+    return files
 
 
 def worker_args(opts: Options) -> list[str]:
@@ -175,8 +199,11 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
     if missing:
         raise UserError(f"{space.path}: no shape list {missing[0]!r}; lists: {', '.join(space.shapes) or 'none'}")
     todo = sorted(dict.fromkeys(s for n in shape_lists for s in space.shapes[n]), key=lambda s: (s.flops, str(s)))
-    opts.runs_dir.mkdir(parents=True, exist_ok=True)
+    check_family_names(space, opts.families, opts.accumulate)  # before the GPU starts, as the rest
+    if output:
+        check_output(output)
     backing = open_storage(opts.storage)
+    opts.runs_dir.mkdir(parents=True, exist_ok=True)
     be = make_backend(opts, opts.runs_dir / "worker.log")
     try:
         fams = families_for(space, opts.families, be.target, be, opts.accumulate)
@@ -212,9 +239,7 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
             done.append(st)
         listener.sweep_shape(len(todo), len(todo), None)
     data = export_studies(done)
-    files = [write_json(data, opts.runs_dir / "sweep.json")]
-    if output:
-        files.append(write_json(data, output))
+    files = _write_exports(data, [opts.runs_dir / "sweep.json", *([output] if output else [])], listener)
     return SweepResult(done, data, files, len(todo), skipped)
 
 

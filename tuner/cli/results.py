@@ -27,15 +27,17 @@ def report(
     torch) against FLOPs, offline and server mode side by side."""
     from tuner.results import read_json
     from tuner.results.export import export_studies
-    from tuner.results.report import write_bench_report, write_report
+    from tuner.results.report import check_report_out, require_matplotlib, write_bench_report, write_report
     from tuner.search import load_studies
 
+    require_matplotlib()  # the [report] extra: said before anything is read or written
+    check_report_out(out)
     is_url = "://" in source or source.startswith("journal:")
     bench_data = None if is_url else _bench_json(source)
     if bench_data is not None:
         files = write_bench_report(bench_data, out)
     else:
-        data = export_studies(load_studies(source)) if is_url else read_json(source)
+        data = export_studies(load_studies(source, read_only=True)) if is_url else read_json(source)
         files = write_report(data, out)
     if not files:
         raise UserError(f"{source}: no verified entries to report on")
@@ -47,7 +49,7 @@ def _bench_json(path: str) -> dict | None:
     """The file's data if it is `hgemm-tune bench` output (rows per mode), else None (an
     export, or a file read_json will report on)."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_bytes())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and "rows" in data and "modes" in data else None

@@ -36,8 +36,18 @@ def record(
     from tuner.search import load_studies
     from tuner.search.studies import replay_records
 
-    lines = [json.dumps(r) for st in load_studies(storage) for r in replay_records(st)]
-    output.write_text("".join(line + "\n" for line in lines))
+    found = load_studies(storage, read_only=True)
+    if not found:
+        raise UserError(f"storage {storage} holds no study: nothing to record ({output} not written)")
+    lines = [json.dumps(r) for st in found for r in replay_records(st)]
+    if not lines:
+        print(f"error: no real GPU measurement in {storage}: nothing to record ({output} not written)",
+              file=sys.stderr)
+        raise typer.Exit(1)
+    try:
+        output.write_text("".join(line + "\n" for line in lines))
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
     console.print(f"{len(lines)} records -> {output}")
 
 
@@ -84,7 +94,7 @@ def show(
     from tuner.search import StudyMeta, TrialRecord, load_studies
     from tuner.space import load_space, parse_shape
 
-    studies = load_studies(storage, [study] if study else None)
+    studies = load_studies(storage, [study] if study else None, read_only=True)
     if shape and not study:
         want = str(parse_shape(shape))
         studies = [s for s in studies if s.user_attrs.get("shape") == want]
@@ -109,12 +119,16 @@ def show(
 
 
 def studies(storage: o.Storage = o.DEFAULT_STORAGE) -> None:
-    """List the studies in a storage with their best time (in-study) and what export takes."""
-    from tuner.results.export import exported_trial
-    from tuner.search import TrialRecord, best_trial, load_studies
+    """List the studies in a storage with their best time (in-study) and what export takes.
 
-    table = Table("study", "trials", "best us", "TFLOP/s", "vs cuBLAS", "exported")
-    for st in load_studies(storage):
+    trials: the measured trials, as `tune` and `sweep` count them; all: every trial the study
+    holds (also those rejected before nvcc, duplicates, not recorded, handed back, running)."""
+    from tuner.results.export import exported_trial
+    from tuner.search import TrialRecord, best_trial, load_studies, measured_trials
+
+    table = Table("study", "trials", "all", "best us", "TFLOP/s", "vs cuBLAS", "exported",
+                  caption="trials: measured (as tune and sweep count them); all: every trial the study holds")
+    for st in load_studies(storage, read_only=True):
         b = best_trial(st)
         rb = TrialRecord.of(b) if b else None
         t, confirmed = exported_trial(st)
@@ -123,7 +137,7 @@ def studies(storage: o.Storage = o.DEFAULT_STORAGE) -> None:
                     if confirmed["median_us"] is not None else f"cuBLAS (#{t.number} failed confirmation)")
         else:
             what = f"#{t.number} (unconfirmed)" if t else "-"
-        table.add_row(st.study_name, str(len(st.trials)), fmt(b.value if b else None, ".2f"),
+        table.add_row(st.study_name, str(measured_trials(st)), str(len(st.trials)), fmt(b.value if b else None, ".2f"),
                       fmt(rb.tflops if rb else None, ".1f"), fmt(rb.speedup_cublas if rb else None, ".3f"), what)
     out_console.print(table)
 
@@ -134,11 +148,14 @@ def export(
     study: Annotated[list[str] | None, typer.Option(help="Only these studies (default: all).")] = None,
 ) -> None:
     """Write the best verified config of every study as JSON (the confirmed winner where the
-    study's confirmation holds, else its in-study best)."""
-    from tuner.results import write_json
-    from tuner.results.export import export_studies
-    from tuner.search import load_studies
+    study's confirmation holds, else its in-study best). Exit 1, writing nothing, when no study
+    has a verified kernel."""
+    from tuner import api
 
-    data = export_studies(load_studies(storage, study or None))
-    write_json(data, output)
-    console.print(f"{len(data['entries'])} entries -> {output}" + ("  [SIMULATED]" if data["simulated"] else ""))
+    data, written, note = api.export(storage, output, study or None)
+    if note:
+        console.print(f"[yellow]{note}[/]")
+    if written is None:
+        print(f"error: no verified kernel in {storage}: nothing to export ({output} not written)", file=sys.stderr)
+        raise typer.Exit(1)
+    console.print(f"{len(data['entries'])} entries -> {written}" + ("  [SIMULATED]" if data["simulated"] else ""))

@@ -61,7 +61,8 @@ def tune(
     rate = (f" ({res.measured - res.measured_before} this run, {res.trials_per_min:.1f} trials/min)"
             if res.trials_per_min else "")
     console.print(f"{res.seconds:.0f} s this run; study holds {res.measured} measured trials{rate}; "
-                  f"best config JSON: {' and '.join(str(f) for f in res.files)}")
+                  + (f"best config JSON: {' and '.join(str(f) for f in res.files)}" if res.files
+                     else "no export written"))
     if res.evaluated < trials and not timeout:
         console.print(f"[yellow]stopped at {res.evaluated} of {trials} trials[/]: the sampler proposed no new valid "
                       "config in many tries; the space (or what the sampler explores of it) is spent.")
@@ -160,4 +161,4 @@ def sweep(
         console.print(f"our kernel is the pick for {ours} of {len(picks)} shapes; cuBLAS for the rest")
     left = res.shapes - len(res.studies) - len(res.skipped)
     console.print(f"{len(res.studies)} shapes tuned, {len(res.skipped)} skipped, {left} left for a later run; "
-                  f"JSON: {' and '.join(str(f) for f in res.files)}")
+                  + (f"JSON: {' and '.join(str(f) for f in res.files)}" if res.files else "no export written"))

@@ -28,7 +28,19 @@ class ReplayBackend:
             raise UserError(f"replay file {self.path} not found")
         self.records: dict[tuple[str, str], dict] = {}
         self.baselines: dict[str, dict[str, float]] = {}
-        for lineno, line in enumerate(self.path.read_text().splitlines(), 1):
+        try:
+            raw = self.path.read_bytes()
+        except OSError as exc:
+            raise UserError(f"cannot read replay file {self.path}: {exc.strerror or exc}") from None
+        if raw.startswith(b"SQLite format 3\x00"):
+            raise UserError(f"{self.path}: a SQLite database, not a replay file (JSON lines of recorded "
+                            "measurements; `hgemm-tune record` writes one from a storage)")
+        for lineno, bline in enumerate(raw.splitlines(), 1):
+            try:
+                line = bline.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{self.path}:{lineno}: not UTF-8 text (byte 0x{bline[exc.start]:02x} at column "
+                                f"{exc.start + 1}); a replay file is JSON lines") from None
             if not line.strip():
                 continue
             try:
@@ -47,7 +59,7 @@ class ReplayBackend:
                     for variant in m.get("times_us", {}):
                         json.loads(variant)  # variant keys are JSON objects of run-time knobs
                     self.records[(shape, config_key(rec["family"], rec["config"]))] = rec
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
                 raise UserError(f"{self.path}:{lineno}: not a measurement record ({exc})") from None
         self.target = target_for_arch(arch)
         self.name = f"replay:{self.path.name}"

@@ -6,6 +6,15 @@ other modules are imported where they are used.
 """
 
 from tuner.results.entries import EntryBuild, entry_build
-from tuner.results.schema import SCHEMA_VERSION, read_json, validate, write_json
+from tuner.results.schema import (
+    SCHEMA_VERSION,
+    check_output,
+    read_json,
+    read_text,
+    validate,
+    write_export,
+    write_json,
+)
 
-__all__ = ["SCHEMA_VERSION", "EntryBuild", "entry_build", "read_json", "validate", "write_json"]
+__all__ = ["SCHEMA_VERSION", "EntryBuild", "check_output", "entry_build", "read_json", "read_text", "validate",
+           "write_export", "write_json"]

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from tuner.errors import UserError
 from tuner.results.bench import geomean
+
+
+def require_matplotlib() -> None:
+    """The plots need matplotlib, the [report] extra: one line saying how to install it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("report needs matplotlib, which is not installed: pip install 'hgemm-tune[report]'") from None
+
+
+def check_report_out(out: Path) -> None:
+    """Before anything is read: the report folder is, or can be made, a writable folder."""
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write the report to {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the report to {out}: the folder {parent} is not writable")
+
+
+def _make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write the report to {out}: {exc.strerror or exc}") from None
 
 
 def frame(data: dict[str, Any]) -> pd.DataFrame:
@@ -28,15 +56,16 @@ def frame(data: dict[str, Any]) -> pd.DataFrame:
 
 def write_report(data: dict[str, Any], out: Path) -> list[Path]:
     """PNG plots and a markdown table under `out`; returns the files written."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     df = frame(data)
     if df.empty:
         return []
+    _make_out(out)
     tag = "  [SIMULATED]" if data.get("simulated") else ""
     written = []
     bases = [c.removeprefix("speedup.") for c in df.columns if c.startswith("speedup.")]
@@ -111,7 +140,10 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
         df[cols].sort_values("shape").to_string(index=False)
     geo = ", ".join(f"{b}: {geomean(list(df[f'speedup.{b}'])) or float('nan'):.3f}x" for b in bases)
     md = out / "report.md"
-    md.write_text(f"# hgemm-tune report{tag}\n\nGeomean speedup: {geo}\n\n{table}\n")
+    try:
+        md.write_text(f"# hgemm-tune report{tag}\n\nGeomean speedup: {geo}\n\n{table}\n")
+    except OSError as exc:
+        raise UserError(f"cannot write the report to {md}: {exc.strerror or exc}") from None
     written.append(md)
     return written
 
@@ -119,15 +151,16 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
 def write_bench_report(bench: dict[str, Any], out: Path) -> list[Path]:
     """From `hgemm-tune bench`'s bench.json: speedup over every baseline against GFLOP (log),
     one panel per timing mode (offline, server). Failed rows are not plotted."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame([r for r in bench["rows"] if r.get("status") == "ok"])
     if df.empty:
         return []
+    _make_out(out)
     df["gflop"] = 2 * df["M"] * df["N"] * df["K"] / 1e9
     bases = [c.removeprefix("speedup_") for c in df.columns if c.startswith("speedup_") and df[c].notna().any()]
     modes = [m for m in bench["modes"] if m in set(df["mode"])]
@@ -160,6 +193,10 @@ def _save(fig, path: Path) -> Path:
 
     if fig.get_layout_engine() is None:
         fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise UserError(f"cannot write the report to {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return path

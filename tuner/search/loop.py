@@ -27,7 +27,8 @@ from tuner.errors import UserError
 from tuner.measure import Backend, EvalRequest, Measurement, config_key
 from tuner.search.compile_queue import Pending, finish, prepare
 from tuner.search.interrupts import INTERRUPTS
-from tuner.search.records import Status, StudyMeta, TrialRecord
+from tuner.search.owners import this_process
+from tuner.search.records import Status, StudyMeta, TrialRecord, mark_owner, mark_telling
 from tuner.search.sampler import (
     EXPLORE_AFTER,
     STALE_PROPOSALS,
@@ -42,11 +43,14 @@ from tuner.search.sampler import (
     trial_params,
 )
 from tuner.search.storage import Heartbeat, open_storage
-from tuner.search.studies import current_best, evaluated_trials, gpu_model, open_study
-from tuner.search.tell import fail_held, tell, tell_duplicate
+from tuner.search.studies import current_best, evaluated_trials, gpu_model, open_study, slot_claims
+from tuner.search.tell import fail_held, fail_orphans, tell, tell_duplicate
 from tuner.space import Family, Shape, Space
 
 STALE_CHECK_S = 30.0  # how often a running search fails the trials of workers that died
+# Claiming a slot to tell a trial in (Search.claim_slot): tries, and the random pause between them.
+CLAIM_TRIES = 40
+CLAIM_PAUSE_S = (0.01, 0.1)
 
 
 @dataclass
@@ -77,6 +81,7 @@ class Search:
         self.eval_timeout_s, self.recorder = eval_timeout_s, recorder
         self.patience, self.accumulate = patience, accumulate
         self.backing = open_storage(storage)
+        self.owner = this_process()
         name = name or study_name(shape, self.families, backend.target.arch, accumulate=accumulate)
         self.study = open_study(name, self.backing, make_sampler(sampler, seed, self.families))
         fresh = not self.study.get_trials(deepcopy=False)
@@ -102,9 +107,13 @@ class Search:
     # ---- set-up --------------------------------------------------------------------------
 
     def _fail_stale(self) -> None:
+        """Trials of workers that died: failed, and their configs re-queued (measured next). The
+        owner check finds a worker killed on this host at once, on every storage; the heartbeat
+        (RDB storages) one on another host, after its grace period."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # experimental-API and "heartbeat without optimize" notes
-            optuna.storages.fail_stale_trials(self.study)  # trials of workers that died: failed, re-queued
+            fail_orphans(self.study)
+            optuna.storages.fail_stale_trials(self.study)
         self._last_stale_check = time.perf_counter()
 
     def _enqueue_seeds(self, warm_start: list[tuple[str, dict[str, Any]]]) -> None:
@@ -159,6 +168,8 @@ class Search:
             self.asks += 1
             self.stale += 1
             try:
+                # A kill -9 leaves the trial RUNNING; its owner says it is dead (tell.fail_orphans).
+                mark_owner(trial, self.owner)
                 fam, config = suggest(trial, self.families)
                 if self.stale % EXPLORE_AFTER == 0:
                     self._explore()
@@ -207,12 +218,41 @@ class Search:
             self.queue.clear()
             return True
 
-    def measure_next(self) -> TrialRecord:
-        """Measure the oldest queued trial and tell it."""
+    def claim_slot(self, trial: optuna.Trial) -> bool:
+        """May this measured trial be told? Other workers measure at the same time, and the count
+        read before measuring may be stale by the time we tell. Each worker marks its trial
+        "telling", then counts the evaluated trials and the other workers' marks: it tells only
+        if all of them fit in the study. Whichever of two workers reads last sees both marks,
+        so two never take one last slot; when marks collide both step back for a random pause
+        and try again. False: the study is full (or stayed contended): hand the trial back."""
+        for _ in range(CLAIM_TRIES):
+            mark_telling(trial, True)
+            evaluated, others = slot_claims(self.study, trial.number)
+            if evaluated >= self.trials:
+                return False
+            if evaluated + others < self.trials:
+                return True
+            mark_telling(trial, False)
+            time.sleep(self.rng.uniform(*CLAIM_PAUSE_S))
+        return False
+
+    def measure_next(self) -> TrialRecord | None:
+        """Measure the oldest queued trial and tell it; None if it was handed back unmeasured (the
+        study filled while it was measured) or another worker told it first."""
         p = self.queue[0]
         rec = finish(p, self.shape, self.backend, self.eval_timeout_s, self.recorder)  # a signal may stop it here
         assert p.trial is not None
         with INTERRUPTS.deferred():
+            try:
+                claimed = self.claim_slot(p.trial)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                self.queue.popleft()  # another worker popped the same enqueued trial and told it
+                return None
+            if not claimed:
+                fail_held(self.study, p.trial, Status.SURPLUS, "the study filled while it was measured")
+                self.queue.popleft()
+                self.progress.done = evaluated_trials(self.study)
+                return None
             tell(self.study, p.trial, rec)
             self.queue.popleft()
             # Other workers add trials too: the count that stops us is the study's.
@@ -249,7 +289,7 @@ class Search:
                     if not self.queue or self._hand_back_if_filled():
                         break
                     rec = self.measure_next()
-                    if on_progress:
+                    if on_progress and rec is not None:
                         on_progress(self.progress, rec)
         except KeyboardInterrupt:
             with INTERRUPTS.deferred():  # a second signal must not cut this short

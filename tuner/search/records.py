@@ -147,6 +147,26 @@ def mark_trial(trial: optuna.Trial, status: Status, reason: str | None = None,
         trial.set_user_attr("duplicate_of", duplicate_of)
 
 
+def mark_owner(trial: optuna.Trial, owner: dict[str, Any]) -> None:
+    """Record the process that holds a trial (tuner.search.owners), so that a search can fail the
+    trials of a worker that was killed without telling them, on storages without heartbeats too."""
+    trial.set_user_attr("owner", owner)
+
+
+def trial_owner(t: optuna.trial.FrozenTrial) -> dict[str, Any] | None:
+    return t.user_attrs.get("owner")
+
+
+def mark_telling(trial: optuna.Trial, telling: bool) -> None:
+    """A measured trial about to be told claims one of the study's last slots (Search.claim_slot):
+    every worker counts the claims of the others, so the study never ends above its count."""
+    trial.set_user_attr("telling", telling)
+
+
+def is_telling(t: optuna.trial.FrozenTrial) -> bool:
+    return t.state == optuna.trial.TrialState.RUNNING and bool(t.user_attrs.get("telling"))
+
+
 @dataclass
 class StudyMeta:
     """What a study is about, stored as its user attributes when the search starts."""

@@ -14,7 +14,8 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.measure import Measurement, config_key
-from tuner.search.records import NOT_EVALUATED, NOT_MEASURED, Status, StudyMeta, TrialRecord
+from tuner.search.owners import gone
+from tuner.search.records import NOT_EVALUATED, NOT_MEASURED, Status, StudyMeta, TrialRecord, is_telling, trial_owner
 from tuner.search.storage import open_storage
 
 
@@ -37,13 +38,15 @@ def existing_study(name: str, storage: optuna.storages.BaseStorage) -> optuna.St
     return optuna.load_study(study_name=name, storage=storage)
 
 
-def load_studies(storage: str, names: list[str] | None = None) -> list[optuna.Study]:
-    """Existing studies only: a missing storage file or study is a UserError, never created."""
-    backing = open_storage(storage, create=False)
+def load_studies(storage: str, names: list[str] | None = None, read_only: bool = False) -> list[optuna.Study]:
+    """Existing studies only: a missing storage file or study is a UserError, never created.
+    read_only (commands that only read): the storage is opened so that nothing can write it."""
+    backing = open_storage(storage, create=False, read_only=read_only)
     try:
         summaries = optuna.get_all_study_summaries(storage=backing, include_best_trial=False)
     except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors
-        raise UserError(f"cannot open storage {storage!r}: {exc}") from None
+        raise UserError(f"cannot open storage {storage!r}: {type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0]}") from None
     available = [s.study_name for s in summaries]
     chosen = names or available
     missing = sorted(set(chosen) - set(available))
@@ -121,6 +124,18 @@ def _finished_records(study: optuna.Study) -> list[TrialRecord]:
 def evaluated_trials(study: optuna.Study) -> int:
     """Trials that count toward --trials: everything evaluated, not configs rejected before nvcc."""
     return sum(1 for r in _finished_records(study) if r.status not in NOT_EVALUATED)
+
+
+def slot_claims(study: optuna.Study, exclude: int) -> tuple[int, int]:
+    """(evaluated trials, running trials of live workers other than `exclude` that claim a slot
+    to be told in): one read of the study, for Search.claim_slot."""
+    evaluated = claims = 0
+    for t in study.get_trials(deepcopy=False):
+        if t.state.is_finished():
+            evaluated += TrialRecord.of(t).status not in NOT_EVALUATED
+        elif t.number != exclude and is_telling(t) and not gone(trial_owner(t)):
+            claims += 1
+    return evaluated, claims
 
 
 def measured_trials(study: optuna.Study) -> int:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import os
 
 import optuna
 
-from tuner.search.records import Status, TrialRecord, mark_trial
+from tuner.search.owners import gone
+from tuner.search.records import Status, TrialRecord, mark_trial, trial_owner
+from tuner.search.storage import requeue_failed
 
 
 def tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
@@ -54,3 +58,41 @@ def fail_held(study: optuna.Study, trial: optuna.Trial, status: Status, reason: 
         mark_trial(trial, status, reason)
     with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
         study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+
+
+# A running trial with neither an owner nor params is one whose process died between asking it
+# and recording itself (or a live process in those milliseconds): failed once it is this old.
+OWNERLESS_GRACE_S = float(os.environ.get("HGEMM_TUNE_OWNERLESS_GRACE_S", "10"))
+
+
+def _orphaned(t: optuna.trial.FrozenTrial) -> bool:
+    owner = trial_owner(t)
+    if owner is not None:
+        return gone(owner)
+    if t.params or t.datetime_start is None:  # a trial of an older version of the tool: the heartbeat's
+        return False
+    return (dt.datetime.now() - t.datetime_start).total_seconds() > OWNERLESS_GRACE_S
+
+
+def fail_orphans(study: optuna.Study) -> list[int]:
+    """Fail the running trials whose owner process is gone from this host (killed with SIGKILL,
+    or the machine rebooted) as "interrupted", and queue their configs again: they are measured
+    next. Works on every storage (the journal has no heartbeats; an RDB heartbeat would wait out
+    its grace period). Returns the failed trials' numbers. A trial another process fails first
+    is left to it, so a config is re-queued once."""
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if not _orphaned(t):
+            continue
+        owner = trial_owner(t) or {}
+        try:
+            mark_trial(optuna.Trial(study, t._trial_id), Status.INTERRUPTED,
+                       f"its worker (pid {owner.get('pid', '?')} on {owner.get('host', '?')}) died before "
+                       "telling it; re-queued")
+            if not study._storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another process failed (or its owner told) it first
+        failed.append(t.number)
+        requeue_failed(study, study._storage.get_trial(t._trial_id))
+    return failed

@@ -88,6 +88,7 @@ class Search:
         StudyMeta(shape=str(shape), families=[f.name for f in self.families], target=backend.target.to_dict(),
                   backend=backend.name, simulated=backend.simulated, trials_target=trials, accumulate=accumulate,
                   template_hashes={f.name: template_hash(f) for f in self.families}).write(self.study)
+        self.recovered: list[int] = []  # re-queued trials of dead workers: asked first
         self._fail_stale()
         if fresh:
             self._enqueue_seeds(warm_start or [])
@@ -112,7 +113,7 @@ class Search:
         (RDB storages) one on another host, after its grace period."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # experimental-API and "heartbeat without optimize" notes
-            fail_orphans(self.study)
+            self.recovered += fail_orphans(self.study)
             optuna.storages.fail_stale_trials(self.study)
         self._last_stale_check = time.perf_counter()
 
@@ -156,6 +157,19 @@ class Search:
                 and (self.patience is None or self.since_best < self.patience)
                 and (self.deadline is None or time.perf_counter() < self.deadline))
 
+    def _recovered_trial(self) -> optuna.Trial | None:
+        """A dead worker's config, re-queued by this process (`fail_orphans`), before anything
+        else queued: Optuna pops WAITING trials oldest first, and a fresh study's seeds wait
+        ahead of it, so a resumed study could fill up without measuring it."""
+        while self.recovered:
+            trial_id = self.recovered.pop(0)
+            try:
+                if self.study._storage.set_trial_state_values(trial_id, state=optuna.trial.TrialState.RUNNING):
+                    return optuna.Trial(self.study, trial_id)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another process took and finished it
+        return None
+
     def ask(self) -> None:
         """Ask one trial; queue it for compiling, or tell it at once (a duplicate, an invalid config)."""
         # Asked, then queued or told within one section: a signal never leaves a trial RUNNING
@@ -164,7 +178,7 @@ class Search:
             with warnings.catch_warnings():
                 # We beat the heartbeat ourselves (Heartbeat), so Optuna's ask-side note is moot.
                 warnings.simplefilter("ignore", UserWarning)
-                trial = self.study.ask()
+                trial = self._recovered_trial() or self.study.ask()
             self.asks += 1
             self.stale += 1
             try:

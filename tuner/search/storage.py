@@ -188,23 +188,22 @@ def _check_journal(url: str, path: Path) -> None:
         raise UserError(f"cannot open storage {url!r}: {path}: {exc.strerror}") from None
 
 
-def requeue_failed(study: optuna.Study, trial: optuna.trial.FrozenTrial, max_retry: int = 1) -> bool:
+def requeue_failed(study: optuna.Study, trial: optuna.trial.FrozenTrial, max_retry: int = 1) -> int | None:
     """Queue a failed trial's parameters again (a WAITING trial, asked first), once: what Optuna's
     RetryHeartbeatStaleTrialCallback does (the same `failed_trial` / `retry_history` system
     attributes), without copying the dead trial's user attributes (its owner, its status).
-    An enqueued trial's fixed parameters (system attributes) go with it. False when it was
-    retried `max_retry` times already, or holds no parameters to repeat."""
+    An enqueued trial's fixed parameters (system attributes) go with it. Returns the new trial's
+    id; None when it was retried `max_retry` times already, or holds no parameters to repeat."""
     history = [*trial.system_attrs.get("retry_history", []), trial.number]
     if (max_retry is not None and len(history) > max_retry) or not (trial.params or
                                                                     trial.system_attrs.get("fixed_params")):
-        return False
+        return None
     system_attrs = {**trial.system_attrs, "failed_trial": trial.system_attrs.get("failed_trial", trial.number),
                     "retry_history": history}
-    study._storage.create_new_trial(
+    return study._storage.create_new_trial(
         study._study_id,
         template_trial=optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING, params=trial.params,
                                                  distributions=trial.distributions, system_attrs=system_attrs))
-    return True
 
 
 class Heartbeat:

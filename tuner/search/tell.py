@@ -78,9 +78,10 @@ def fail_orphans(study: optuna.Study) -> list[int]:
     """Fail the running trials whose owner process is gone from this host (killed with SIGKILL,
     or the machine rebooted) as "interrupted", and queue their configs again: they are measured
     next. Works on every storage (the journal has no heartbeats; an RDB heartbeat would wait out
-    its grace period). Returns the failed trials' numbers. A trial another process fails first
-    is left to it, so a config is re-queued once."""
-    failed = []
+    its grace period). Returns the ids of the re-queued (WAITING) trials, which the caller asks
+    before anything else queued (`Search.ask`). A trial another process fails first is left to
+    it, so a config is re-queued once."""
+    requeued = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if not _orphaned(t):
             continue
@@ -93,6 +94,7 @@ def fail_orphans(study: optuna.Study) -> list[int]:
                 continue
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # another process failed (or its owner told) it first
-        failed.append(t.number)
-        requeue_failed(study, study._storage.get_trial(t._trial_id))
-    return failed
+        new = requeue_failed(study, study._storage.get_trial(t._trial_id))
+        if new is not None:
+            requeued.append(new)
+    return requeued

@@ -382,8 +382,8 @@ def test_a_replay_record_with_bad_clocks_is_refused(tmp_path):
 
 # ---- bench: the clock columns are there, and "unknown" where there is no record ---------------
 
-CAPPED_REC = clocks.summarize(_w(CAPPED[1:]), seconds=0.1, energy_j=10.0, gemms=400, mode="offline")
-SERVER_REC = clocks.summarize(_w([(1965, 2619, 410_000, 50, 0)] * 4), seconds=0.4, energy_j=3.0, gemms=None,
+CAPPED_REC = clocks.summarize(_w(CAPPED[1:]), seconds=0.1, energy_j=69.45, gemms=2778, mode="offline")
+SERVER_REC = clocks.summarize(_w([(1965, 2619, 410_000, 50, 0)] * 4), seconds=0.4, energy_j=164.0, gemms=None,
                               mode="server")
 
 
@@ -413,7 +413,7 @@ def test_bench_rows_markdown_and_csv_carry_the_clock_regime(clock_result, tmp_pa
     rows = {(r["shape"], r["mode"]): r for r in clock_result["rows"]}
     a = rows[(A, "offline")]
     assert (a["sm_mhz_median"], a["sm_mhz_min"], a["regime"]) == (1560.0, 1365, "power-capped")
-    assert a["power_w_median"] == pytest.approx(694.5) and a["energy_per_gemm_mj"] == pytest.approx(25.0)
+    assert a["power_w"] == pytest.approx(694.5) and a["energy_per_gemm_mj"] == pytest.approx(25.0)
     assert a["clocks"] == CAPPED_REC
     s = rows[(A, "server")]
     assert s["regime"] == "full clocks" and s["energy_per_gemm_mj"] is None
@@ -430,7 +430,7 @@ def test_bench_rows_markdown_and_csv_carry_the_clock_regime(clock_result, tmp_pa
     assert f"| {B} | offline | wmma | 8.00 |" in md and "| yes | unknown | unknown | unknown | unknown |" in md
     with open(tmp_path / "bench.csv") as fh:
         csv_rows = list(csv.DictReader(fh))
-    for field in ("sm_mhz_median", "sm_mhz_min", "power_w_median", "regime", "energy_per_gemm_mj"):
+    for field in ("sm_mhz_median", "sm_mhz_min", "power_w", "regime", "energy_per_gemm_mj"):
         assert field in csv_rows[0], field
     got = {(r["shape"], r["mode"]): r for r in csv_rows}
     assert got[(A, "offline")]["regime"] == "power-capped" and got[(A, "offline")]["sm_mhz_min"] == "1365"

@@ -413,11 +413,14 @@ def clock_cells(record: dict[str, Any] | None) -> dict[str, Any]:
     (W), regime, energy per GEMM (mJ); None where the record lacks a value. Without a record the
     regime is "unknown" (never left blank)."""
     if not record or not record.get("available"):
-        return {"sm_mhz_median": None, "sm_mhz_min": None, "power_w_median": None, "regime": UNKNOWN,
+        return {"sm_mhz_median": None, "sm_mhz_min": None, "power_w": None, "regime": UNKNOWN,
                 "energy_per_gemm_mj": None}
+    # The energy counter's mean over the section, where there is one: NVML's power reading averages
+    # over about a second, so in a section of a few hundred ms it lags (an H100 offline section read
+    # a 133 W median while its energy counter gave 414 W, 2026-12-07).
+    power = record.get("mean_power_w") if record.get("mean_power_w") is not None else record.get("power_w_median")
     return {"sm_mhz_median": record.get("sm_mhz_median"), "sm_mhz_min": record.get("sm_mhz_min"),
-            "power_w_median": record.get("power_w_median"), "regime": regime_of(record),
-            "energy_per_gemm_mj": record.get("energy_per_gemm_mj")}
+            "power_w": power, "regime": regime_of(record), "energy_per_gemm_mj": record.get("energy_per_gemm_mj")}
 
 
 def regime_text(record: dict[str, Any] | None) -> str:

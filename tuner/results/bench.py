@@ -39,7 +39,7 @@ from tuner.space import Shape, parse_shape
 BASELINES = ("cublas", "cublaslt", "cublaslt_auto", "torch")
 # The clock regime of the row's timing section (tuner.measure.clocks), medians over the runs;
 # `regime` is "unknown" where no run has a clock record (no NVML, an older worker).
-CLOCK_FIELDS = ("sm_mhz_median", "sm_mhz_min", "power_w_median", "regime", "energy_per_gemm_mj")
+CLOCK_FIELDS = ("sm_mhz_median", "sm_mhz_min", "power_w", "regime", "energy_per_gemm_mj")
 CLOCK_HEAD = ("SM MHz med (min)", "power W", "clock regime", "mJ/GEMM (section)")
 LABELS = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "cublaslt_auto": "cuBLASLt-auto", "torch": "torch"}
 ROW_FIELDS = (["shape", "M", "N", "K", "mode", "family", "status", "verified", "reason",
@@ -312,7 +312,7 @@ def clock_texts(row: dict) -> list[str]:
     sm = _f(row.get("sm_mhz_median"), ".0f")
     if row.get("sm_mhz_median") is not None and row.get("sm_mhz_min") is not None:
         sm += f" ({row['sm_mhz_min']:.0f})"
-    return [sm, _f(row.get("power_w_median"), ".0f"), str(row["regime"]), _f(row.get("energy_per_gemm_mj"), ".3g")]
+    return [sm, _f(row.get("power_w"), ".0f"), str(row["regime"]), _f(row.get("energy_per_gemm_mj"), ".3g")]
 
 
 def _verified(row: dict) -> str:
@@ -356,10 +356,11 @@ def markdown(result: dict[str, Any], source: str = "") -> str:
         lines.append("- server: single launches (one-launch CUDA graphs), each after an L2 flush (a buffer of "
                      "2x the L2 overwritten) and a random 20-500 us idle gap; median.")
     lines.append("- clocks: NVML sampled every 15 ms while each mode's timing ran (all contenders of the shape "
-                 "together): SM MHz median (min), power W median, the regime (power-capped: the software power cap "
-                 "held the clock in >= 20% of the busy samples; thermal; full clocks; unknown: no clock record), "
-                 "and the section's energy per GEMM over every contender's launches (offline only; not split "
-                 "between contenders).")
+                 "together): SM MHz median (min); power W, the mean from the energy counter (where the card has "
+                 "none, the median of NVML's power readings, which average over about a second and lag a short "
+                 "section); the regime (power-capped: the software power cap held the clock in >= 20% of the busy "
+                 "samples; thermal; full clocks; unknown: no clock record); and the section's energy per GEMM over "
+                 "every contender's launches (offline only; not split between contenders).")
     head = (["shape", "mode", "family", "ours us", "TFLOP/s", "% roofline"]
             + [f"{LABELS[b]} us" for b in BASELINES] + [f"vs {LABELS[b]}" for b in BASELINES] + ["verified"]
             + list(CLOCK_HEAD))

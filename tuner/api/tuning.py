@@ -41,7 +41,7 @@ from tuner.search import (
 )
 from tuner.search import confirm as confirm_study
 from tuner.search.compile_queue import hang_timeout_s
-from tuner.search.records import StudyMeta, mark_sweep_done, sweep_done_trials
+from tuner.search.records import StudyMeta, confirm_record, mark_sweep_done, sweep_done_trials
 from tuner.search.studies import best_trial
 from tuner.space import Shape, Space, load_space, parse_shape
 
@@ -260,4 +260,4 @@ def confirm(storage: str, study: str, opts: Options, listener: Listener | None =
     be = make_backend(opts, opts.runs_dir / "worker.log")
     with measuring(be, opts.jobs) as pool:
         confirm_best(space, st, be, pool, opts, listener)
-    return st.user_attrs.get("confirm")
+    return confirm_record(st)

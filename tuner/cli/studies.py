@@ -92,12 +92,13 @@ def show(
     from tuner.build import source_hash
     from tuner.results.export import exported_trial
     from tuner.search import StudyMeta, TrialRecord, load_studies
+    from tuner.search.records import holds_kernel, study_shape
     from tuner.space import load_space, parse_shape
 
     studies = load_studies(storage, [study] if study else None, read_only=True)
     if shape and not study:
         want = str(parse_shape(shape))
-        studies = [s for s in studies if s.user_attrs.get("shape") == want]
+        studies = [s for s in studies if study_shape(s) == want]
     if len(studies) != 1:
         names = ", ".join(s.study_name for s in studies) or "none"
         raise UserError(f"pick one study with --study (matching: {names})")
@@ -106,7 +107,7 @@ def show(
         raise UserError(f"study {st.study_name} has no trial {trial} (it has 0..{len(st.trials) - 1})")
     t = st.trials[trial] if trial is not None else exported_trial(st)[0]
     rec = TrialRecord.of(t) if t is not None else None
-    if rec is None or not rec.family or "config" not in t.user_attrs:
+    if rec is None or not rec.family or not holds_kernel(t):
         raise UserError(f"study {st.study_name}: no kernel to show for "
                         + (f"trial {trial} (a duplicate or interrupted trial)" if trial is not None else "its best"))
     meta = StudyMeta.of(st)

@@ -128,6 +128,7 @@ def sweep(
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable;
     confirm each shape's best few in fresh runs."""
     from tuner.search import measured_trials
+    from tuner.search.records import study_shape
 
     opts = api.Options(trials=trials_per_shape, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
@@ -145,7 +146,7 @@ def sweep(
                   "confirmed", title="sweep" + ("  [SIMULATED]" if backend == "replay" else ""))
     for st in res.studies:
         e = exported.get(st.study_name, {})
-        shp = st.user_attrs.get("shape", "?")
+        shp = study_shape(st) or "?"
         conf = e.get("confirm")
         table.add_row(shp, e.get("family", "-"), fmt(e.get("time_us"), ".2f"), fmt(e.get("tflops"), ".1f"),
                       fmt(e.get("baselines_us", {}).get("cublas"), ".2f"),

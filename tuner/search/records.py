@@ -221,3 +221,18 @@ def sweep_done_trials(study: optuna.Study) -> int:
 
 def mark_sweep_done(study: optuna.Study, trials: int) -> None:
     study.set_user_attr("sweep_done_trials", trials)
+
+
+def holds_kernel(t: optuna.trial.FrozenTrial) -> bool:
+    """Whether the trial stored a kernel (a family's config); duplicates and handed-back trials do not."""
+    return "config" in t.user_attrs
+
+
+def study_shape(study: optuna.Study) -> str | None:
+    """The shape a study tunes, or None for a study hgemm-tune did not create."""
+    return study.user_attrs.get("shape")
+
+
+def study_backend(study: optuna.Study) -> str | None:
+    """The backend the study last ran on (`gpu:NAME`, `replay:FILE`), if it recorded one."""
+    return study.user_attrs.get("backend")

@@ -15,7 +15,17 @@ import optuna
 from tuner.errors import UserError
 from tuner.measure import Measurement, config_key
 from tuner.search.owners import gone
-from tuner.search.records import NOT_EVALUATED, NOT_MEASURED, Status, StudyMeta, TrialRecord, is_telling, trial_owner
+from tuner.search.records import (
+    NOT_EVALUATED,
+    NOT_MEASURED,
+    Status,
+    StudyMeta,
+    TrialRecord,
+    holds_kernel,
+    is_telling,
+    study_backend,
+    trial_owner,
+)
 from tuner.search.storage import open_storage
 
 
@@ -73,7 +83,7 @@ def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = Non
     study's 8% behind on an H100: docs/decisions), so times from two models must not be ranked together."""
     finished = []
     for t in trials:
-        if t.state.is_finished() and "config" in t.user_attrs:
+        if t.state.is_finished() and holds_kernel(t):
             rec = TrialRecord.of(t)
             finished.append((t, rec, config_key(rec.family, rec.kernel)))
     latest: dict[str, tuple[Any, str]] = {}  # kernel -> (when, source hash) of its latest trial
@@ -90,7 +100,7 @@ def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = Non
 
 def study_gpu(study: optuna.Study) -> str | None:
     """The GPU model the study last ran on: its trials measured there rank (`current_ok`)."""
-    return gpu_model(study.user_attrs.get("backend"))
+    return gpu_model(study_backend(study))
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:

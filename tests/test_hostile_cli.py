@@ -173,6 +173,10 @@ def test_two_workers_telling_the_last_trial_at_once_do_not_overshoot(kind, tmp_p
 
     storage = f"sqlite:///{tmp_path}/two.db" if kind == "sqlite" else f"journal:{tmp_path}/two.log"
     _search(storage, 6).run()
+    # Slots left for the two: one, unless the first run stopped short of its count (its sampler can
+    # spend its proposals on configs it holds already); then both fit and neither is surplus.
+    free = 7 - evaluated_trials(load(storage))
+    assert free in (1, 2)
     barrier = threading.Barrier(2, timeout=20)
 
     class Together(ReplayBackend):
@@ -197,8 +201,11 @@ def test_two_workers_telling_the_last_trial_at_once_do_not_overshoot(kind, tmp_p
     assert not errors, errors
     study = load(storage)
     assert evaluated_trials(study) == 7, "one of the two is counted, never both"
+    assert "RUNNING" not in {t.state.name for t in study.get_trials()}
     statuses = [t.user_attrs.get("status") for t in study.get_trials()]
-    assert statuses.count("surplus") == 1
+    # The one that did not fit is handed back as surplus; or both popped the same queued trial
+    # (SQLite cannot lock rows), one told it and the other found it told: then none is surplus.
+    assert statuses.count("surplus") <= 2 - free
 
 
 def test_two_tune_processes_on_one_study_end_at_exactly_its_count(tmp_path):

@@ -129,3 +129,11 @@ def prebuild(export_file: Path | None, shapes: list[str], arch: str, opts: Optio
     finally:
         pool.close()
     return builds
+
+
+def package(export_file: Path, out_dir: Path, arch: str, opts: Options, *, skip_unsupported: bool = False):
+    """Compile every kernel an export picks for `arch` into one shared library with a C API
+    (DIR/libhgemm_tuned.so, DIR/hgemm_tuned.h): tuner.runtime.package."""
+    from tuner.runtime.package import package as build_package
+
+    return build_package(export_file, out_dir, arch, opts.space_file, opts.jobs, skip_unsupported)

@@ -18,6 +18,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="Find, verify and export the fastest fp16 GEMM kernel per shape on your NVIDIA GPU.")
 
 for command in (tuning.tune, tuning.worker, tuning.sweep, studies.record, studies.render, studies.show,
-                studies.studies, studies.export, results.report, results.bench, results.prebuild, tools.propose,
-                tools.proposals, tools.doctor):
+                studies.studies, studies.export, results.report, results.bench, results.prebuild, results.package,
+                tools.propose, tools.proposals, tools.doctor):
     app.command(help=results.BENCH_HELP if command is results.bench else None)(command)

@@ -19,8 +19,9 @@ Timeout = Annotated[float | None, typer.Option("--timeout", help="Stop asking fo
 Backend = Annotated[str, typer.Option(
     "--backend", help="gpu: measure on this machine's GPU; replay: recorded measurements (no GPU; SIMULATED).")]
 Replay = Annotated[Path | None, typer.Option("--replay", help="Recorded-measurements file for --backend replay.")]
-Arch = Annotated[str, typer.Option("--arch", help="Target arch when no GPU is read (replay backend, prebuild).")]
+Arch = Annotated[str, typer.Option("--arch", help="Target arch without a GPU (replay backend, prebuild, package).")]
 Gpu = Annotated[int | None, typer.Option("--gpu", help="GPU index (sets CUDA_VISIBLE_DEVICES for the worker).")]
+OutDir = Annotated[Path, typer.Option("-o", "--out", help="Folder to write into.")]
 Jobs = Annotated[int | None, typer.Option("--jobs", help="Parallel nvcc jobs (default: one per core).")]
 Record = Annotated[Path | None, typer.Option("--record", help="Append every measurement to this replay file.")]
 Output = Annotated[Path | None, typer.Option("-o", "--output", help="Also write the export JSON here.")]

@@ -185,3 +185,31 @@ def prebuild(
     console.print(f"{len(builds) - failed} of {len(builds)} built into {DEFAULT_CACHE}")
     if failed:
         raise typer.Exit(1)
+
+
+def package(
+    export_file: Annotated[Path, typer.Argument(metavar="EXPORT_JSON", help="The export whose picks to package.")],
+    out: o.OutDir,
+    arch: o.Arch = "sm_90a",
+    skip_unsupported: Annotated[bool, typer.Option(
+        "--skip-unsupported", help="Leave picks that cannot be packaged yet (cute_sm90) to the vendor.")] = False,
+    space_file: o.SpaceFile = None,
+    jobs: o.Jobs = None,
+) -> None:
+    """Compile an export's tuned kernels for --arch into ONE shared library with a C API.
+
+    Writes DIR/libhgemm_tuned.so and DIR/hgemm_tuned.h (`hgemm_tuned_run`, status codes, a
+    dispatch table for any M >= 1 of a tuned (N, K)); the program needs only the CUDA driver.
+
+    Example: [bold]hgemm-tune package runs/best.json -o dist/ --arch sm_90a[/]"""
+    result = api.package(export_file, out, arch, api.Options(space_file=space_file, jobs=jobs),
+                         skip_unsupported=skip_unsupported)
+    table = Table("N", "K", "M buckets (kernel)", title=f"dispatch table for {arch}")
+    for layer in result.layers:
+        table.add_row(str(layer["N"]), str(layer["K"]), ", ".join(
+            f"{b['M']} ({'vendor' if b['kernel'] is None else 'k' + str(b['kernel'])})" for b in layer["buckets"]))
+    out_console.print(table)
+    for note in result.skipped:
+        console.print(f"left out: {escape(note)}")
+    console.print(f"{len(result.kernels)} kernels in {result.library} ({result.size_bytes / 1e6:.1f} MB, "
+                  f"{result.seconds:.1f} s); header {result.header}")

@@ -15,7 +15,7 @@ from typing import Any
 from proposer.client import BadReply, EndpointError
 from proposer.edits import EditError, apply, parse_reply
 from proposer.judge import Outcome, _changed, _Ctx, _tune_against_parent, _verify
-from proposer.validate import candidate_errors, dependency_check, static_check, terminal_safe
+from proposer.validate import candidate_errors, dependency_check, sass_traps, static_check, terminal_safe
 from tuner.build import CompilePool, CompileResult, cache_key, compile_source, template_vars
 from tuner.build.sandbox import render_sandboxed
 from tuner.errors import UserError
@@ -221,6 +221,11 @@ def _evaluate(ctx: _Ctx) -> Outcome:
             if not res.ok:
                 why = candidate_errors(res.error or "nvcc failed")  # never another file's lines
                 return ctx.out("compile_error", f"{_changed(child, cfg)}: {why}")
+        for cfg, res in zip(configs, results, strict=True):
+            traps = sass_traps(res.cubin)
+            if traps:  # what the source check cannot see: `"tr" "ap;"`, __trap(), __brkpt(), macros
+                return ctx.out("static", f"{_changed(child, cfg)}: the kernel traps ({traps} BPT instruction(s) "
+                                         "in its SASS): a trap only takes the GPU worker down")
         metrics: dict[str, Any] = {"compiled": [{"config": _changed(child, cfg), "registers": res.registers,
                                                  "spill_bytes": res.spill_bytes, "compile_s": round(res.seconds, 1)}
                                                 for cfg, res in zip(configs, results, strict=True)]}

@@ -235,3 +235,15 @@ def terminal_safe(text: str, one_line: bool = False) -> str:
     if one_line:
         text = re.sub(r"[\n\t]+", " ", text).strip()
     return text
+
+
+def sass_traps(binary: str | None) -> int:
+    """BPT instructions (trap, breakpoint) in a built cubin's SASS: every spelling of a trap in
+    the source (split string literals, __trap(), __brkpt(), a macro) compiles to one. The shipped
+    cubin families have none. 0 when there is no binary to read; a missing cuobjdump is an error
+    (tuner.build.sass says how to install it)."""
+    if not binary:
+        return 0
+    from tuner.build.sass import dump_sass
+
+    return sum(1 for line in dump_sass(binary).splitlines() if " BPT." in line or "\tBPT." in line)

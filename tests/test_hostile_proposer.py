@@ -445,3 +445,21 @@ def test_escapes_never_reach_the_terminal_through_the_cli(server, tmp_path):
     res = cli("proposals", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "red" in res.stdout and not any(c in res.stdout + res.stderr for c in ESCAPES)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("trap", ['asm volatile("tr" "ap;");', "__trap();", "__brkpt();",
+                                  '#define T asm volatile("trap;")\n  T;'])
+def test_a_trap_in_any_spelling_is_refused_from_the_sass(tmp_path, trap):
+    """The source check matches `asm("trap")` literally; split literals, intrinsics and macros pass
+    it. The built cubin's SASS cannot hide one: every spelling is a BPT instruction."""
+    from proposer.validate import sass_traps
+    from tuner.build import compile_source
+
+    src = ('#include <cuda_fp16.h>\nextern "C" __global__ void hgemm(const __half* A, const __half* B, __half* C, '
+           'int M, int N, int K, int s) {\n  if (M == 7) {\n  ' + trap + '\n  }\n}\n')
+    res = compile_source(src, "sm_90a", cache_dir=tmp_path)
+    assert res.ok, res.error
+    assert sass_traps(res.cubin) >= 1
+    clean = compile_source(src.replace(trap, ""), "sm_90a", cache_dir=tmp_path)
+    assert sass_traps(clean.cubin) == 0

@@ -9,7 +9,7 @@ through a `Listener` (the CLI draws bars and tables from it); nothing here print
 the input are `tuner.errors.UserError`, raised before any GPU work starts.
 """
 
-from tuner.api.results import Build, bench, check_entries, export, package, prebuild
+from tuner.api.results import Build, bench, catalogue_build, catalogue_jobs, check_entries, export, package, prebuild
 from tuner.api.run import (
     BACKENDS,
     DEFAULT_STORAGE,
@@ -27,6 +27,7 @@ from tuner.api.tuning import confirm, confirm_best, join_study, nearest_tuned, s
 
 __all__ = [
     "BACKENDS", "DEFAULT_STORAGE", "Build", "Listener", "Options", "SweepResult", "TuneResult", "bench",
-    "check_entries", "check_family_names", "confirm", "confirm_best", "export", "families_for", "join_study",
-    "make_backend", "measuring", "nearest_tuned", "package", "prebuild", "split_list", "sweep", "tune_shape",
+    "catalogue_build", "catalogue_jobs", "check_entries", "check_family_names", "confirm", "confirm_best", "export",
+    "families_for", "join_study", "make_backend", "measuring", "nearest_tuned", "package", "prebuild", "split_list",
+    "sweep", "tune_shape",
 ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tuner.api.run import Options, families_for, make_backend
+from tuner.api.run import Options, check_family_names, families_for, make_backend
 from tuner.build import CompilePool, CompileResult, cutlass_include, nvcc_path, render
 from tuner.errors import UserError
 from tuner.results import bench as bench_stage
@@ -137,3 +137,66 @@ def package(export_file: Path, out_dir: Path, arch: str, opts: Options, *, skip_
     from tuner.runtime.package import package as build_package
 
     return build_package(export_file, out_dir, arch, opts.space_file, opts.jobs, skip_unsupported)
+def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts: Options) -> list:
+    """The configs a catalogue is asked to hold, each with why (tuner.build.catalogue.Job): every
+    entry of an export for `arch`, the seeds a fresh study of each shape tries first, and, when
+    neither is given, each family's default config and its seeds that hold for any shape."""
+    from tuner.build.catalogue import Job
+    from tuner.results.entries import entry_build
+    from tuner.search.sampler import full_config, seed_configs
+
+    space = load_space(opts.space_file)
+    target = target_for_arch(arch)
+    named = check_family_names(space, opts.families, opts.accumulate)
+    jobs: list[Job] = []
+    if export_file is not None:
+        for e in read_json(export_file)["entries"]:
+            if e["arch"] != arch or (named is not None and e["family"] not in named):
+                continue
+            b = entry_build(space, e, target)
+            jobs.append(Job(b.family, space.family(b.family).compile_config(b.config), e.get("accumulate", "fp32"),
+                            b.source, b.artifact, f"export {export_file.name}: {e['shape']}"))
+    fams = [space.family(f) for f in families_for(space, opts.families, target, None, opts.accumulate)]
+
+    def add(fam, cfg: dict, shape, reason: str) -> None:
+        full = full_config(fam, cfg)
+        if fam.violations(full, shape, target):
+            return  # the search rejects it before nvcc too
+        jobs.append(Job(fam.name, fam.compile_config(full), opts.accumulate,
+                        render(fam, full, arch, accumulate=opts.accumulate), fam.artifact, reason))
+
+    for text in shapes:
+        shape = parse_shape(text)
+        for fam in fams:
+            for cfg in seed_configs(fam, shape):
+                add(fam, cfg, shape, f"seed of {shape}")
+    if export_file is None and not shapes:
+        big = parse_shape("4096x4096x4096")  # resource limits only: these serve every shape
+        for fam in fams:
+            add(fam, fam.compile_config(fam.defaults()), big, "family default")
+            for i, seed in enumerate(fam.seeds):
+                if i not in fam.seed_when:
+                    add(fam, fam.compile_config(fam.defaults() | seed), big, "space.yaml seed")
+    return jobs
+
+
+def catalogue_build(output: Path, export_file: Path | None, shapes: list[str], arch: str, opts: Options, *,
+                    update: Path | None = None, cache_dir: Path | None = None, on_done=None):
+    """Compile, without a GPU, the chosen configs (`catalogue_jobs`) into one catalogue file at
+    `output` (tuner.build.catalogue). Incremental: the kernels of `update`, or of `output` when
+    it exists, are kept and not built again. Returns a tuner.build.catalogue.BuildSummary."""
+    from tuner.build.catalogue import build_catalogue, read_catalogue
+    from tuner.build.compile import DEFAULT_CACHE
+
+    nvcc_path(), cutlass_include()  # missing toolchain: one clear error before anything is rendered
+    space = load_space(opts.space_file)
+    jobs = catalogue_jobs(export_file, shapes, arch, opts)
+    if not jobs:
+        raise UserError("no config to build: the export has no entry for this arch and no seed is valid")
+    previous_path = update if update is not None else (output if output.exists() else None)
+    previous = read_catalogue(previous_path) if previous_path is not None else None
+    pool = CompilePool(opts.jobs, cache_dir=cache_dir or DEFAULT_CACHE)
+    try:
+        return build_catalogue(output, jobs, arch, space, pool, previous, on_done=on_done)
+    finally:
+        pool.close()

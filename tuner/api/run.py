@@ -48,6 +48,7 @@ class Options:
     confirm_top: int = 3                # re-time this many best kernels in fresh runs before export (0: no)
     confirm_runs: int = 3
     runs_dir: Path = Path("runs")       # exports, worker logs
+    catalogue: Path | None = None       # a kernel catalogue: checked, loaded into the compile cache, tried first
 
     def check(self) -> None:
         """Every input checked before any work: one clear error, never a traceback minutes in."""

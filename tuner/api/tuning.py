@@ -22,6 +22,7 @@ from tuner.api.run import (
     split_list,
 )
 from tuner.build import CompilePool
+from tuner.build.catalogue import Catalogue, open_catalogue
 from tuner.errors import UserError
 from tuner.measure import Backend, record_baseline, record_measurement
 from tuner.results import check_output, write_export
@@ -52,18 +53,34 @@ BACKENDS = ("gpu", "replay")
 def _search(space: Space, fams: list[str], shape: Shape, be: Backend, pool: CompilePool | None, opts: Options,
             listener: Listener, *, name: str, trials: int, record: Path | None, label: str = "tuning",
             warm_start: list | None = None, patience: int | None = None,
-            timeout_s: float | None = None) -> optuna.Study:
-    """One study's search in this process, with its cuBLAS baseline measured first."""
+            timeout_s: float | None = None, catalogue: Catalogue | None = None) -> optuna.Study:
+    """One study's search in this process, with its cuBLAS baseline measured first. A fresh
+    study tries the catalogue's configs of its families first (their builds cost no nvcc)."""
     baselines = be.baseline(shape, opts.accumulate)
     if record and not be.simulated:  # a replayed baseline is not a measurement
         record_baseline(record, shape, baselines, opts.accumulate)
     listener.started(shape, baselines, be.name, fams, opts.accumulate)
     listener.search(label, trials)
     recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
+    held: dict[str, str] = {}
+    if catalogue is not None:
+        warm_start = [(f, c) for f, c in catalogue.configs(fams, opts.accumulate)
+                      if _in_space(space, f, c)] + (warm_start or [])
+        held = {k.source_hash: catalogue.digest[:16] for k in catalogue.kernels}
     search = Search(space, fams, shape, be, trials=trials, storage=opts.storage, sampler=opts.sampler, name=name,
                     seed=opts.seed, pool=pool, eval_timeout_s=hang_timeout_s(baselines["cublas"]),
-                    recorder=recorder, warm_start=warm_start, patience=patience, accumulate=opts.accumulate)
+                    recorder=recorder, warm_start=warm_start, patience=patience, accumulate=opts.accumulate,
+                    catalogue=held)
     return search.run(timeout_s, listener.trial)
+
+
+def _in_space(space: Space, family: str, config: dict) -> bool:
+    """A catalogue config the space still has (its knob lists may have changed since)."""
+    try:
+        space.family(family).complete(config)
+    except UserError:
+        return False
+    return True
 
 
 def confirm_best(space: Space, study: optuna.Study, be: Backend, pool: CompilePool | None, opts: Options,
@@ -107,6 +124,7 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
     be = make_backend(opts, opts.runs_dir / "worker.log")
     try:
         fams = families_for(space, opts.families, be.target, be, opts.accumulate)
+        cat = load_catalogue(opts, space, be.target.arch)
     except UserError:
         be.close()
         raise
@@ -116,10 +134,11 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
     with measuring(be, opts.jobs) as pool:
         if workers == 1:
             st = _search(space, fams, shp, be, pool, opts, listener, name=name, trials=opts.trials,
-                         record=opts.record, timeout_s=opts.timeout_s)
+                         record=opts.record, timeout_s=opts.timeout_s, catalogue=cat)
         else:
             # Create the study (attributes, seeds) here, then let the workers fill it.
-            st = _search(space, fams, shp, be, pool, opts, listener, name=name, trials=0, record=None)
+            st = _search(space, fams, shp, be, pool, opts, listener, name=name, trials=0, record=None,
+                         catalogue=cat)
             codes = run_workers(workers, name, opts.storage, opts.trials, worker_args(opts), opts.jobs, opts.backend,
                                 opts.runs_dir, on_tick=lambda done, best: listener.trial(
                                     Progress(done=done, best_us=best), None))
@@ -207,6 +226,7 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
     be = make_backend(opts, opts.runs_dir / "worker.log")
     try:
         fams = families_for(space, opts.families, be.target, be, opts.accumulate)
+        cat = load_catalogue(opts, space, be.target.arch)
     except UserError:
         be.close()
         raise
@@ -228,7 +248,7 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
             try:
                 st = _search(space, fams, shp, be, pool, opts, listener, name=name, trials=opts.trials,
                              record=opts.record, warm_start=nearest_tuned(opts.storage, shp, fams),
-                             patience=patience or None, timeout_s=limit)
+                             patience=patience or None, timeout_s=limit, catalogue=cat)
             except UserError as exc:  # this shape cannot be measured (no baseline): the rest can
                 skipped.append((str(shp), str(exc)))
                 continue
@@ -241,6 +261,17 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
     data = export_studies(done)
     files = _write_exports(data, [opts.runs_dir / "sweep.json", *([output] if output else [])], listener)
     return SweepResult(done, data, files, len(todo), skipped)
+
+
+def load_catalogue(opts: Options, space: Space, arch: str, cache_dir: Path | None = None) -> Catalogue | None:
+    """The run's kernel catalogue (`opts.catalogue`), verified (manifest, every binary's sha256),
+    checked against this nvcc, CUTLASS, arch and templates, and loaded into the compile cache,
+    before any trial; None when the run has none."""
+    if opts.catalogue is None:
+        return None
+    from tuner.build.compile import DEFAULT_CACHE
+
+    return open_catalogue(opts.catalogue, space, arch, cache_dir or DEFAULT_CACHE)
 
 
 def nearest_tuned(storage: str, shape: Shape, families: list[str]) -> list[tuple[str, dict]]:

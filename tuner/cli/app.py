@@ -4,6 +4,7 @@ function) and prints. No tuning logic lives here.
     hgemm-tune --shape 4096x4096x8192 --trials 500     # tune one shape (same as `tune`)
     hgemm-tune sweep --shapes subgrid27                # every shape of a list in the space file
     hgemm-tune bench runs/sweep.json --repeats 3       # re-verify and time an export vs the vendors
+    hgemm-tune catalogue build --seeds-for 4096x4096x8192   # compile kernels into one file, no GPU
     hgemm-tune doctor                                  # GPU, arch, nvcc, headers, space, templates
 """
 
@@ -21,3 +22,4 @@ for command in (tuning.tune, tuning.worker, tuning.sweep, studies.record, studie
                 studies.studies, studies.export, results.report, results.bench, results.prebuild, results.package,
                 tools.propose, tools.proposals, tools.doctor):
     app.command(help=results.BENCH_HELP if command is results.bench else None)(command)
+app.add_typer(results.catalogue_app, name="catalogue")

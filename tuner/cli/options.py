@@ -35,6 +35,14 @@ Confirm = Annotated[int, typer.Option(
          "measurement; near-equal kernels swap places by a few percent from run to run). 0: export the "
          "in-study best.")]
 ConfirmRuns = Annotated[int, typer.Option("--confirm-runs", min=1, help="Fresh worker runs of the confirmation.")]
+Catalogue = Annotated[Path | None, typer.Option(
+    "--catalogue", help="Kernel catalogue (`hgemm-tune catalogue build`): verified, refused if built with another "
+                        "nvcc, CUTLASS, arch or template, loaded into the compile cache; a fresh study tries its "
+                        "configs first (no nvcc).")]
+CatalogueOut = Annotated[Path, typer.Option("-o", "--output", help="The catalogue file to write (a zip); when "
+                                                                  "it exists, its kernels are kept, not rebuilt.")]
+Update = Annotated[Path | None, typer.Option(
+    "--update", help="An existing catalogue to extend: its kernels are kept, only configs it lacks are compiled.")]
 Shape = Annotated[str, typer.Option("--shape", "-s", help="MxNxK, e.g. 4096x4096x8192 (A: MxK, B: NxK, C: MxN).")]
 Study = Annotated[str | None, typer.Option("--study", help="Study name (see `hgemm-tune studies`).")]
 

@@ -213,3 +213,77 @@ def package(
         console.print(f"left out: {escape(note)}")
     console.print(f"{len(result.kernels)} kernels in {result.library} ({result.size_bytes / 1e6:.1f} MB, "
                   f"{result.seconds:.1f} s); header {result.header}")
+catalogue_app = typer.Typer(no_args_is_help=True, help="Build or inspect a kernel catalogue: compiled kernels of "
+                            "chosen configs in one verified file, carried to the GPU machine (`tune --catalogue`).")
+
+
+@catalogue_app.command("build")
+def catalogue_build(
+    export_file: Annotated[Path | None, typer.Option(
+        "--from", metavar="EXPORT_JSON", help="Build the kernels of this export (its entries for --arch).")] = None,
+    seeds_for: Annotated[str | None, typer.Option(
+        "--seeds-for", help="Comma list of MxNxK: the configs a fresh study of each shape tries first (its seeds).")
+                         ] = None,
+    families: o.Families = None,
+    arch: o.Arch = "sm_90a",
+    output: o.CatalogueOut = Path("runs/catalogue-sm_90a.zip"),
+    update: o.Update = None,
+    space_file: o.SpaceFile = None,
+    accumulate: o.Accumulate = "fp32",
+    jobs: o.Jobs = None,
+) -> None:
+    """Compile kernels into one catalogue file on a machine without a GPU.
+
+    Which configs: an export's kernels (--from), the seeds of shapes (--seeds-for), or, with
+    neither, each family's default config and its space.yaml seeds for any shape (--families
+    picks the families). Incremental: kernels already in --update (or in --output when it
+    exists) are kept and not built again. The manifest records each kernel's family, knobs,
+    template and source hashes, binary sha256, registers and spills, why it is there, and the
+    toolchain (nvcc, CUTLASS, arch); its digest names the content.
+
+    Example: [bold]hgemm-tune catalogue build --seeds-for 4096x4096x8192,512x512x512 -o runs/cat.zip[/]"""
+    shapes = [s for s in (seeds_for or "").split(",") if s.strip()]
+    opts = api.Options(space_file=space_file, families=families, jobs=jobs, accumulate=accumulate)
+    with progress_bar() as bar:
+        task = bar.add_task("nvcc", total=None, status="")
+        res = api.catalogue_build(output, export_file, shapes, arch, opts, update=update,
+                                  on_done=lambda done, total: bar.update(task, total=total, completed=done))
+    _catalogue_table(res.catalogue)
+    for job, error in res.failed:
+        console.print(f"[red]failed[/] {job.family} {json.dumps(job.config, separators=(',', ':'))}: "
+                      f"{escape(error[:200])}")
+    mean = f" ({sum(res.compile_s) / len(res.compile_s):.1f} s each)" if res.compile_s else ""
+    console.print(f"catalogue {res.catalogue.path}: {len(res.catalogue.kernels)} kernels, digest "
+                  f"{res.catalogue.digest[:16]}, {res.catalogue.path.stat().st_size / 1e6:.2f} MB; compiled "
+                  f"{res.compiled}{mean}, from the compile cache {res.from_cache}, reused from the catalogue "
+                  f"{res.reused}, failed {len(res.failed)}")
+    if res.failed:
+        raise typer.Exit(1)
+
+
+@catalogue_app.command("show")
+def catalogue_show(
+    catalogue: Annotated[Path, typer.Argument(metavar="CATALOGUE", help="A catalogue file.")],
+    space_file: o.SpaceFile = None,
+    arch: Annotated[str | None, typer.Option("--arch", help="Also check it was built for this arch.")] = None,
+) -> None:
+    """Verify a catalogue (manifest, every binary's sha256, this nvcc, CUTLASS and templates) and list it."""
+    from tuner.build.catalogue import check_catalogue, read_catalogue
+    from tuner.space import load_space
+
+    cat = read_catalogue(catalogue)
+    check_catalogue(cat, load_space(space_file), arch)
+    _catalogue_table(cat)
+    tc = cat.toolchain
+    console.print(f"catalogue {cat.path}: {len(cat.kernels)} kernels for {tc.arch}, nvcc {tc.nvcc}, CUTLASS "
+                  f"{tc.cutlass}, hgemm-tune {tc.tool}, digest {cat.digest[:16]}: verified")
+
+
+def _catalogue_table(cat) -> None:
+    table = Table("family", "knobs", "acc", "registers", "spill bytes", "KB", "compile s", "why",
+                  title=f"catalogue for {cat.toolchain.arch}")
+    for k in cat.kernels:
+        table.add_row(k.family, ",".join(f"{a}={b}" for a, b in k.config.items()), k.accumulate,
+                      fmt(k.registers, "d"), fmt(k.spill_bytes, "d"), f"{k.size / 1e3:.0f}",
+                      f"{k.compile_s:.1f}" if k.compile_s else "cached", escape("; ".join(k.reasons)))
+    out_console.print(table)

@@ -45,13 +45,14 @@ def tune(
     accumulate: o.Accumulate = "fp32",
     confirm: o.Confirm = 3,
     confirm_runs: o.ConfirmRuns = 3,
+    catalogue: o.Catalogue = None,
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; confirm the best few
     in fresh runs; export the winner as JSON."""
     opts = api.Options(trials=trials, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, timeout_s=timeout, backend=backend, replay=replay, arch=arch,
                        gpu=gpu, jobs=jobs, record=record, accumulate=accumulate, confirm_top=confirm,
-                       confirm_runs=confirm_runs)
+                       confirm_runs=confirm_runs, catalogue=catalogue)
     try:
         with CliListener() as listener:
             res = api.tune_shape(shape, opts, listener, study=study, output=output, workers=workers)
@@ -124,6 +125,7 @@ def sweep(
     accumulate: o.Accumulate = "fp32",
     confirm: o.Confirm = 3,
     confirm_runs: o.ConfirmRuns = 3,
+    catalogue: o.Catalogue = None,
 ) -> None:
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable;
     confirm each shape's best few in fresh runs."""
@@ -132,7 +134,7 @@ def sweep(
 
     opts = api.Options(trials=trials_per_shape, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
-                       accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs)
+                       accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs, catalogue=catalogue)
     try:
         with CliListener(sweep=True) as listener:
             res = api.sweep(opts, shapes, time_per_shape=time_per_shape,

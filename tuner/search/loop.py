@@ -73,13 +73,14 @@ class Search:
                  storage: str, sampler: str = "tpe", name: str | None = None, seed: int | None = None,
                  pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
                  recorder: Recorder | None = None, warm_start: list[tuple[str, dict[str, Any]]] | None = None,
-                 patience: int | None = None, accumulate: str = "fp32"):
+                 patience: int | None = None, accumulate: str = "fp32", catalogue: dict[str, str] | None = None):
         self.families: list[Family] = [space.family(n) for n in family_names]
         check_accumulate(space, family_names, accumulate)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.shape, self.backend, self.pool, self.trials = shape, backend, pool, trials
         self.eval_timeout_s, self.recorder = eval_timeout_s, recorder
         self.patience, self.accumulate = patience, accumulate
+        self.catalogue = catalogue or {}  # source hash -> digest of the kernel catalogue holding it
         self.backing = open_storage(storage)
         self.owner = this_process()
         name = name or study_name(shape, self.families, backend.target.arch, accumulate=accumulate)
@@ -195,6 +196,7 @@ class Search:
                     return
                 p = prepare(fam, config, self.shape, self.backend, self.pool, self.accumulate)
                 p.trial = trial
+                p.record.catalogue = self.catalogue.get(p.record.source_hash, "")
                 if p.record.status == Status.INVALID:
                     tell(self.study, trial, p.record)
                     self.progress.invalid += 1

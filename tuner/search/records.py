@@ -75,6 +75,9 @@ class TrialRecord:
     gpu_state: dict[str, Any] = field(default_factory=dict)
     # The clock regime of its measurement (tuner.measure.clocks record; {} in older studies).
     clocks: dict[str, Any] = field(default_factory=dict)
+    # The digest of the kernel catalogue that holds this trial's kernel ("" when none does): with
+    # `cached`, its binary came from the catalogue and cost no nvcc time.
+    catalogue: str = ""
     # Read back only: the trial's number and value (its time in us when COMPLETE).
     number: int | None = field(default=None, compare=False)
     value: float | None = field(default=None, compare=False)

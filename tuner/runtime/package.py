@@ -18,9 +18,7 @@ Only cubin families (wmma, cute_sm80) are packaged in this first step; library f
 (cute_sm90) are refused with one line, or left to the vendor with `skip_unsupported`.
 """
 
-from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
@@ -29,7 +27,6 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,327 +34,23 @@ from tuner.build import cutlass_include, cutlass_version, nvcc_path, nvcc_versio
 from tuner.errors import UserError
 from tuner.results.entries import entry_build
 from tuner.results.schema import read_json
-from tuner.space import Shape, load_space, parse_shape, target_for_arch
-from tuner.space.expr import Expr
+from tuner.runtime.codegen import (
+    API,
+    HEADER,
+    LIBRARY,
+    RULE,
+    STATUS,
+    CTranslator,
+    Kernel,
+    NotC,
+    Packaged,
+    dispatch_unit,
+    header_text,
+    kernel_unit,
+)
+from tuner.space import load_space, parse_shape, target_for_arch
 from tuner.version import __version__
 
-LIBRARY = "libhgemm_tuned.so"
-HEADER = "hgemm_tuned.h"
-API = ("hgemm_tuned_run", "hgemm_tuned_lookup", "hgemm_tuned_info", "hgemm_tuned_check_device")
-STATUS = {0: "ok", 1: "no tuned kernel for this call: use the vendor library", 2: "bad argument",
-          3: "launch failed", 4: "this GPU is not the library's arch", 5: "no CUDA device or runtime error"}
-RULE = ("per (N, K): an exact M runs its bucket's pick; another M runs the pick of the nearest M bucket "
-        "(|M - bucket|, ties to the larger bucket) among buckets whose kernel's constraints hold for (M, N, K); "
-        "a bucket the vendor won answers 1 (use the vendor); no valid bucket or another (N, K) answers 1")
-SHAPE_NAMES = ("M", "N", "K")
-
-
-@dataclass
-class Kernel:
-    index: int
-    shape: Shape
-    family: str
-    knobs: dict[str, Any]
-    swizzle_log: int
-    source: str
-    grid: str           # C expressions over (long long) M, N, K
-    block: str
-    smem: str
-    valid: str
-
-    @property
-    def symbol(self) -> str:
-        return f"hgemm_tuned_k{self.index}"
-
-
-@dataclass
-class Packaged:
-    directory: Path
-    library: Path
-    header: Path
-    arch: str
-    kernels: list[Kernel]
-    vendor_shapes: list[str]            # buckets whose pick is the vendor (answer status 1)
-    skipped: list[str]                  # entries left out, each with why
-    layers: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
-    size_bytes: int = 0
-
-
-# ---- space.yaml expressions -> C -------------------------------------------------------------
-
-_C_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
-_C_FUNCS = {ast.FloorDiv: "hk_floordiv", ast.Mod: "hk_mod"}
-_C_CMP = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
-_C_CALLS = {"ceil_div": "hk_ceil_div", "min": "hk_min", "max": "hk_max", "abs": "hk_abs"}
-
-
-class _NotC(Exception):
-    pass
-
-
-class CTranslator:
-    """Partial evaluation of a family's expressions for one config: every part that does not
-    depend on M, N, K is computed here (knob strings, limits, derived values); what is left is
-    integer arithmetic over M, N, K, written as C (`long long`, with Python's floor division)."""
-
-    def __init__(self, fam, config: dict[str, Any], target):
-        self.derived = fam.derived
-        self.env: dict[str, Any] = dict(config) | {
-            "max_smem": target.max_smem, "max_threads": target.max_threads,
-            "sm_count": target.sm_count, "cc": target.cc}
-        self.shaped: set[str] = set(SHAPE_NAMES)   # names whose value depends on the shape
-        for name, expr in fam.derived.items():
-            if expr.names & self.shaped:
-                self.shaped.add(name)
-            else:
-                self.env[name] = expr.eval(self.env)
-
-    def _depends(self, node: ast.AST) -> bool:
-        return any(isinstance(n, ast.Name) and n.id in self.shaped for n in ast.walk(node))
-
-    def _const(self, node: ast.AST) -> str:
-        value = Expr(ast.unparse(node)).eval(self.env)
-        if isinstance(value, bool):
-            return "1" if value else "0"
-        if isinstance(value, int):
-            return f"{value}LL"
-        raise _NotC(f"{ast.unparse(node)} is {value!r}, not an integer")
-
-    def c(self, node: ast.AST) -> str:
-        if not self._depends(node):
-            return self._const(node)
-        if isinstance(node, ast.Name):
-            if node.id in SHAPE_NAMES:
-                return node.id
-            return "(" + self.c(self.derived[node.id].tree) + ")"
-        if isinstance(node, ast.BinOp) and type(node.op) in _C_BINOPS:
-            return f"({self.c(node.left)} {_C_BINOPS[type(node.op)]} {self.c(node.right)})"
-        if isinstance(node, ast.BinOp) and type(node.op) in _C_FUNCS:
-            return f"{_C_FUNCS[type(node.op)]}({self.c(node.left)}, {self.c(node.right)})"
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return f"(-{self.c(node.operand)})"
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            return f"(!{self.c(node.operand)})"
-        if isinstance(node, ast.BoolOp):
-            op = " && " if isinstance(node.op, ast.And) else " || "
-            return "(" + op.join(self.c(v) for v in node.values) + ")"
-        if isinstance(node, ast.Compare) and all(type(o) in _C_CMP for o in node.ops):
-            parts, left = [], node.left
-            for op, right in zip(node.ops, node.comparators, strict=True):
-                parts.append(f"({self.c(left)} {_C_CMP[type(op)]} {self.c(right)})")
-                left = right
-            return "(" + " && ".join(parts) + ")"
-        if isinstance(node, ast.IfExp):
-            return f"({self.c(node.test)} ? {self.c(node.body)} : {self.c(node.orelse)})"
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _C_CALLS
-                and len(node.args) == 2 - (node.func.id == "abs")):
-            return f"{_C_CALLS[node.func.id]}(" + ", ".join(self.c(a) for a in node.args) + ")"
-        raise _NotC(f"{ast.unparse(node)} cannot be computed in C at run time")
-
-    def expr(self, expr: Expr) -> str:
-        return self.c(expr.tree)
-
-
-# ---- generated sources ---------------------------------------------------------------------
-
-C_HELPERS = """\
-static inline long long hk_floordiv(long long a, long long b) {
-    if (b == 0) return 0;
-    long long q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
-static inline long long hk_mod(long long a, long long b) { return b == 0 ? 0 : a - hk_floordiv(a, b) * b; }
-static inline long long hk_ceil_div(long long a, long long b) { return b == 0 ? 0 : -hk_floordiv(-a, b); }
-static inline long long hk_min(long long a, long long b) { return a < b ? a : b; }
-static inline long long hk_max(long long a, long long b) { return a > b ? a : b; }
-static inline long long hk_abs(long long a) { return a < 0 ? -a : a; }
-"""
-
-
-def kernel_unit(k: Kernel) -> str:
-    """The family's rendered source with its entry renamed, plus its launcher and validity test."""
-    return f"""// hgemm-tune package: kernel {k.index}, {k.shape} ({k.family}) {json.dumps(k.knobs, sort_keys=True)}
-#define hgemm {k.symbol}
-{k.source}
-#undef hgemm
-#include <cuda_runtime.h>
-namespace {{
-{C_HELPERS}}}  // namespace
-
-extern "C" int {k.symbol}_valid(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K;
-    return ({k.valid}) ? 1 : 0;
-}}
-
-static long long {k.symbol}_grid(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K; return {k.grid}; }}
-static long long {k.symbol}_block(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K; return {k.block}; }}
-static long long {k.symbol}_smem(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K; return {k.smem}; }}
-
-extern "C" int {k.symbol}_launch(int M, int N, int K, const void* A, const void* B, void* C, cudaStream_t stream) {{
-    const long long grid = {k.symbol}_grid(M, N, K), block = {k.symbol}_block(M, N, K),
-                    smem = {k.symbol}_smem(M, N, K);
-    if (grid < 1 || grid > 2147483647LL || block < 1 || block > 1024 || smem < 0) return 2;
-    if (smem > 48 * 1024) {{
-        cudaError_t e = cudaFuncSetAttribute((const void*){k.symbol}, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)smem);
-        if (e != cudaSuccess) return 3;
-    }}
-    const __half* a = (const __half*)A;
-    const __half* b = (const __half*)B;
-    __half* c = (__half*)C;
-    int swizzle_log = {k.swizzle_log};
-    void* args[] = {{(void*)&a, (void*)&b, (void*)&c, (void*)&M, (void*)&N, (void*)&K, (void*)&swizzle_log}};
-    cudaError_t e = cudaLaunchKernel((const void*){k.symbol}, dim3((unsigned)grid), dim3((unsigned)block), args,
-                                     (size_t)smem, stream);
-    return e == cudaSuccess ? 0 : 3;
-}}
-"""
-
-
-def _c_string(text: str) -> str:
-    """A C string literal (ASCII JSON: only backslashes and quotes need escaping), in chunks."""
-    chunks = [text[i:i + 160].replace("\\", "\\\\").replace('"', '\\"') for i in range(0, len(text), 160)]
-    return "\n".join(f'    "{c}"' for c in chunks) or '    ""'
-
-
-def dispatch_unit(kernels: list[Kernel], layers: list[dict[str, Any]], cc: int, info: str) -> str:
-    decls = "\n".join(
-        f'extern "C" int {k.symbol}_valid(long long, long long, long long);\n'
-        f'extern "C" int {k.symbol}_launch(int, int, int, const void*, const void*, void*, cudaStream_t);'
-        for k in kernels)
-    fns = ",\n".join(f"    {{{k.symbol}_valid, {k.symbol}_launch}}" for k in kernels) or "    {nullptr, nullptr}"
-    buckets, rows = [], []
-    for layer in layers:
-        rows.append(f"    {{{layer['N']}, {layer['K']}, {len(buckets)}, {len(layer['buckets'])}}}")
-        buckets += [f"    {{{b['M']}, {-1 if b['kernel'] is None else b['kernel']}}}" for b in layer["buckets"]]
-    bucket_rows = ",\n".join(buckets) or "    {0, -1}"
-    layer_rows = ",\n".join(rows) or "    {0, 0, 0, 0}"
-    return f"""// Generated by hgemm-tune {__version__} package: the dispatch table and the C API.
-#include <atomic>
-#include <cuda_runtime.h>
-#include "{HEADER}"
-
-{decls}
-
-namespace {{
-struct KernelFns {{ int (*valid)(long long, long long, long long);
-                   int (*launch)(int, int, int, const void*, const void*, void*, cudaStream_t); }};
-struct Bucket {{ int M; int kernel; }};       // kernel -1: the vendor won this bucket
-struct Layer {{ int N, K, first, count; }};   // buckets sorted by M
-const KernelFns kKernels[] = {{
-{fns}
-}};
-const Bucket kBuckets[] = {{
-{bucket_rows}
-}};
-const Layer kLayers[] = {{
-{layer_rows}
-}};
-const int kLayerCount = {len(layers)};
-const int kCC = {cc};
-const char kInfo[] =
-{_c_string(info)};
-
-int device_status() {{   // 0 this arch, 4 another arch, 5 no device; cached per device
-    static std::atomic<int> cache[64];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return HGEMM_TUNED_NO_DEVICE;
-    if (dev >= 0 && dev < 64 && cache[dev].load(std::memory_order_relaxed)) return cache[dev].load() - 1;
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-        return HGEMM_TUNED_NO_DEVICE;
-    int status = (major * 10 + minor == kCC) ? HGEMM_TUNED_OK : HGEMM_TUNED_WRONG_ARCH;
-    if (dev >= 0 && dev < 64) cache[dev].store(status + 1);
-    return status;
-}}
-}}  // namespace
-
-extern "C" HGEMM_TUNED_API int hgemm_tuned_lookup(int M, int N, int K) {{
-    if (M < 1 || N < 1 || K < 1) return -2;
-    for (int l = 0; l < kLayerCount; ++l) {{
-        const Layer& layer = kLayers[l];
-        if (layer.N != N || layer.K != K) continue;
-        int best = -1;
-        long long best_d = 0;
-        for (int i = layer.first; i < layer.first + layer.count; ++i) {{
-            const Bucket& b = kBuckets[i];
-            if (b.kernel >= 0 && !kKernels[b.kernel].valid(M, N, K)) continue;
-            long long d = (long long)M - b.M;
-            if (d < 0) d = -d;
-            if (best < 0 || d <= best_d) {{ best = i; best_d = d; }}   // ascending M: a tie goes to the larger
-        }}
-        return best < 0 ? -1 : kBuckets[best].kernel;
-    }}
-    return -1;
-}}
-
-extern "C" HGEMM_TUNED_API int hgemm_tuned_run(int M, int N, int K, const void* A, int lda, const void* B, int ldb,
-                                               void* C, int ldc, void* stream) {{
-    if (M < 1 || N < 1 || K < 1 || !A || !B || !C || lda < K || ldb < K || ldc < N) return HGEMM_TUNED_BAD_ARGUMENT;
-    if (lda != K || ldb != K || ldc != N) return HGEMM_TUNED_NO_KERNEL;   // our kernels read dense rows
-    const int k = hgemm_tuned_lookup(M, N, K);
-    if (k < 0) return HGEMM_TUNED_NO_KERNEL;
-    const int dev = device_status();
-    if (dev != HGEMM_TUNED_OK) return dev;
-    return kKernels[k].launch(M, N, K, A, B, C, (cudaStream_t)stream);
-}}
-
-extern "C" HGEMM_TUNED_API const char* hgemm_tuned_info(void) {{ return kInfo; }}
-
-extern "C" HGEMM_TUNED_API int hgemm_tuned_check_device(void) {{ return device_status(); }}
-"""
-
-
-def header_text(arch: str) -> str:
-    return f"""/* hgemm_tuned.h: tuned fp16 GEMMs packaged by hgemm-tune {__version__} for {arch}.
- *
- * C = A * B^T: A is M x K, B is N x K, C is M x N, all fp16 row-major (TN), fp32 accumulation.
- * Link libhgemm_tuned.so; at run time it needs the CUDA driver only (the runtime is linked in).
- * No call allocates or synchronizes; hgemm_tuned_run launches on `stream` (a cudaStream_t, NULL
- * for the legacy default stream) and returns a status, never throws. */
-#ifndef HGEMM_TUNED_H
-#define HGEMM_TUNED_H
-
-#define HGEMM_TUNED_OK 0
-#define HGEMM_TUNED_NO_KERNEL 1      /* no tuned kernel for this call: use the vendor (cuBLAS) */
-#define HGEMM_TUNED_BAD_ARGUMENT 2   /* M, N, K < 1, a null pointer, or lda < K, ldb < K, ldc < N */
-#define HGEMM_TUNED_LAUNCH_FAILED 3
-#define HGEMM_TUNED_WRONG_ARCH 4     /* the current GPU is not {arch} */
-#define HGEMM_TUNED_NO_DEVICE 5      /* no CUDA device, or the runtime failed */
-
-#if defined(__GNUC__)
-#define HGEMM_TUNED_API __attribute__((visibility("default")))
-#else
-#define HGEMM_TUNED_API
-#endif
-
-#ifdef __cplusplus
-extern "C" {{
-#endif
-
-/* C = A B^T for any M >= 1 of a tuned (N, K). Strided operands (lda != K, ldb != K, ldc != N)
- * answer HGEMM_TUNED_NO_KERNEL. The first call on a device checks its arch. */
-HGEMM_TUNED_API int hgemm_tuned_run(int M, int N, int K, const void* A, int lda, const void* B, int ldb,
-                                    void* C, int ldc, void* stream);
-/* The kernel hgemm_tuned_run would launch for (M, N, K): its index in the info's "kernels",
- * -1 for the vendor, -2 for a bad argument. Touches no device. */
-HGEMM_TUNED_API int hgemm_tuned_lookup(int M, int N, int K);
-/* JSON: arch, the export's sha256, the versions, the dispatch rule and table. Touches no device. */
-HGEMM_TUNED_API const char* hgemm_tuned_info(void);
-/* 0 when the current device is {arch}; HGEMM_TUNED_WRONG_ARCH or HGEMM_TUNED_NO_DEVICE otherwise. */
-HGEMM_TUNED_API int hgemm_tuned_check_device(void);
-
-#ifdef __cplusplus
-}}
-#endif
-#endif
-"""
-
-
-# ---- the export -> the kernels and the table -----------------------------------------------
 
 def plan(export_file: Path, arch: str, space_file: Path | None = None,
          skip_unsupported: bool = False) -> tuple[list[Kernel], list[str], list[str], list[dict[str, Any]], dict]:
@@ -413,7 +106,7 @@ def plan(export_file: Path, arch: str, space_file: Path | None = None,
         try:
             c = {k: tr.expr(fam.launch[k]) for k in ("grid", "block", "smem")}
             valid = " && ".join(f"({tr.expr(cons.expr)})" for cons in fam.constraints) or "1"
-        except _NotC as exc:
+        except NotC as exc:
             raise UserError(f"{where}: not packaged yet: {exc}") from None
         kernels.append(Kernel(len(kernels), shape, fam.name, build.config,
                               int(next(iter(build.variant.values()), 0)), build.source, valid=valid, **c))

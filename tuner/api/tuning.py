@@ -115,19 +115,7 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
     shp = parse_shape(shape) if isinstance(shape, str) else shape
     opts.check()
     space = load_space(opts.space_file)
-    # Every input is checked before the GPU starts: the families, the output, the storage.
-    check_family_names(space, opts.families, opts.accumulate)
-    if output:
-        check_output(output)
-    open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
-    opts.runs_dir.mkdir(parents=True, exist_ok=True)
-    be = make_backend(opts, opts.runs_dir / "worker.log")
-    try:
-        fams = families_for(space, opts.families, be.target, be, opts.accumulate)
-        cat = load_catalogue(opts, space, be.target.arch)
-    except UserError:
-        be.close()
-        raise
+    be, fams, cat = _start(space, opts, output)
     name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=opts.accumulate)
     before = measured_so_far(name, opts.storage)
     started = time.perf_counter()
@@ -218,18 +206,8 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
     if missing:
         raise UserError(f"{space.path}: no shape list {missing[0]!r}; lists: {', '.join(space.shapes) or 'none'}")
     todo = sorted(dict.fromkeys(s for n in shape_lists for s in space.shapes[n]), key=lambda s: (s.flops, str(s)))
-    check_family_names(space, opts.families, opts.accumulate)  # before the GPU starts, as the rest
-    if output:
-        check_output(output)
+    be, fams, cat = _start(space, opts, output)
     backing = open_storage(opts.storage)
-    opts.runs_dir.mkdir(parents=True, exist_ok=True)
-    be = make_backend(opts, opts.runs_dir / "worker.log")
-    try:
-        fams = families_for(space, opts.families, be.target, be, opts.accumulate)
-        cat = load_catalogue(opts, space, be.target.arch)
-    except UserError:
-        be.close()
-        raise
     deadline = time.perf_counter() + budget_s if budget_s else None
     done, skipped = [], []
     with measuring(be, opts.jobs) as pool:
@@ -261,6 +239,23 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
     data = export_studies(done)
     files = _write_exports(data, [opts.runs_dir / "sweep.json", *([output] if output else [])], listener)
     return SweepResult(done, data, files, len(todo), skipped)
+
+
+def _start(space: Space, opts: Options, output: Path | None) -> tuple[Backend, list[str], Catalogue | None]:
+    """Check every input before the GPU starts (families, the output file, the storage), then
+    start the backend and pick the families it can build; the catalogue, if any, is loaded."""
+    check_family_names(space, opts.families, opts.accumulate)
+    if output:
+        check_output(output)
+    open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
+    opts.runs_dir.mkdir(parents=True, exist_ok=True)
+    be = make_backend(opts, opts.runs_dir / "worker.log")
+    try:
+        return be, families_for(space, opts.families, be.target, be, opts.accumulate), \
+            load_catalogue(opts, space, be.target.arch)
+    except UserError:
+        be.close()
+        raise
 
 
 def load_catalogue(opts: Options, space: Space, arch: str, cache_dir: Path | None = None) -> Catalogue | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import pandas as pd
 
 from tuner.errors import UserError
 from tuner.results.bench import geomean
+from tuner.results.schema import check_writable_folder
 
 
 def require_matplotlib() -> None:
@@ -23,13 +23,7 @@ def require_matplotlib() -> None:
 
 def check_report_out(out: Path) -> None:
     """Before anything is read: the report folder is, or can be made, a writable folder."""
-    parent = out
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"cannot write the report to {out}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the report to {out}: the folder {parent} is not writable")
+    check_writable_folder(out, f"cannot write the report to {out}")
 
 
 def _make_out(out: Path) -> None:

@@ -41,13 +41,7 @@ def check_output(path: str | Path) -> None:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"cannot write {path}: it is a folder; give a file name such as {path / 'best.json'}")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"cannot write {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write {path}: the folder {parent} is not writable")
+    check_writable_folder(path.parent, f"cannot write {path}")
     if path.exists() and _entries_in(path) is None:
         raise UserError(f"{path} exists and is not an hgemm-tune export: it is not overwritten "
                         "(choose another output file, or move it away)")
@@ -139,3 +133,15 @@ def read_json(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: not an hgemm-tune export (no 'entries')")
     validate(data, str(path))
     return data
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """The folder exists or can be made: its nearest existing ancestor is a writable folder.
+    `what` starts the one-line error ("cannot write X")."""
+    parent = folder
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{what}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{what}: the folder {parent} is not writable")

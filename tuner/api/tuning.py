@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.storages import BaseStorage
 
 from tuner.api.run import (
     Listener,
@@ -115,7 +116,7 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
     shp = parse_shape(shape) if isinstance(shape, str) else shape
     opts.check()
     space = load_space(opts.space_file)
-    be, fams, cat = _start(space, opts, output)
+    _, be, fams, cat = _start(space, opts, output)
     name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=opts.accumulate)
     before = measured_so_far(name, opts.storage)
     started = time.perf_counter()
@@ -206,8 +207,7 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
     if missing:
         raise UserError(f"{space.path}: no shape list {missing[0]!r}; lists: {', '.join(space.shapes) or 'none'}")
     todo = sorted(dict.fromkeys(s for n in shape_lists for s in space.shapes[n]), key=lambda s: (s.flops, str(s)))
-    be, fams, cat = _start(space, opts, output)
-    backing = open_storage(opts.storage)
+    backing, be, fams, cat = _start(space, opts, output)
     deadline = time.perf_counter() + budget_s if budget_s else None
     done, skipped = [], []
     with measuring(be, opts.jobs) as pool:
@@ -241,17 +241,19 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
     return SweepResult(done, data, files, len(todo), skipped)
 
 
-def _start(space: Space, opts: Options, output: Path | None) -> tuple[Backend, list[str], Catalogue | None]:
+def _start(space: Space, opts: Options,
+           output: Path | None) -> tuple[BaseStorage, Backend, list[str], Catalogue | None]:
     """Check every input before the GPU starts (families, the output file, the storage), then
-    start the backend and pick the families it can build; the catalogue, if any, is loaded."""
+    start the backend and pick the families it can build; the catalogue, if any, is loaded.
+    Returns the opened storage too (opening a SQLite file checks it: done once)."""
     check_family_names(space, opts.families, opts.accumulate)
     if output:
         check_output(output)
-    open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
+    backing = open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
     opts.runs_dir.mkdir(parents=True, exist_ok=True)
     be = make_backend(opts, opts.runs_dir / "worker.log")
     try:
-        return be, families_for(space, opts.families, be.target, be, opts.accumulate), \
+        return backing, be, families_for(space, opts.families, be.target, be, opts.accumulate), \
             load_catalogue(opts, space, be.target.arch)
     except UserError:
         be.close()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install the carried wheels, then run the given steps, logs under $OUT.
 #   bash scripts/device_run.sh gpu-tests tune-bench
+#   bash scripts/device_run.sh llama-sweep package check-package bench-model   (issue: a real client)
 # Carry .whl (made here by `bash ../shared/device/wheels.sh optuna openai nvidia-cutlass nvmath-python
 # jsonschema hypothesis`) and, if there is one, runs/cubins.tar.xz (a compile cache packed here after
 # `hgemm-tune prebuild ...`: `tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .`).
@@ -30,6 +31,27 @@ for step in "$@"; do
         -o runs/device_best.json 2>&1 | tee "$OUT/tune.log" | tail -30
       timeout "$(cap 240)" python3 -m tuner.cli bench runs/device_best.json --repeats "${REPEATS:-3}" \
         --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    llama-sweep)  # M buckets of a Llama-3-8B's Linear layers, from the catalogue, into an export
+      timeout "$(cap ${SWEEP_TIMEOUT:-260})" python3 -m tuner.cli sweep space.yaml --shapes llama8b_buckets \
+        --families cute_sm90 --time-per-shape "${TIME_PER_SHAPE:-6}" --budget "${SWEEP_BUDGET:-200}" \
+        ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/llama.db -o runs/llama.json 2>&1 \
+        | tee "$OUT/sweep.log" | tail -45; cp runs/llama.json "$OUT/" ;;
+    package)  # the export -> one library (nvcc here: 16 cores) and the PyTorch shim for this torch
+      timeout "$(cap 300)" python3 -m tuner.cli package "${EXPORT:-runs/llama.json}" -o runs/dist 2>&1 \
+        | tee "$OUT/package.log" | tail -20
+      timeout "$(cap 200)" python3 -c 'import sys; from tuner.runtime import torch_op; print(torch_op.build(sys.argv[1]))' \
+        runs/dist 2>&1 | tail -3
+      cp runs/dist/package.json "$OUT/" ;;
+    check-package|bench-model)  # a fresh process with nvcc off PATH and without the CUTLASS wheel
+      NOCUDA_PATH=$(echo "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd:)
+      SITE2=$(mktemp -d)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE2" \
+        $(ls .whl/*.whl | grep -v -i cutlass) || exit 1
+      args=(runs/dist); [[ $step == check-package ]] && args+=(--layers "${CHECK_LAYERS:-4096x4096,14336x4096}")
+      [[ $step == bench-model ]] && args+=(--layers "${MODEL_LAYERS:-2}" --repeats "${MODEL_REPEATS:-10}")
+      env -u CUDA_HOME -u HGEMM_TUNE_CACHE PATH="$NOCUDA_PATH" PYTHONPATH="$SITE2:$PWD" \
+        timeout "$(cap 300)" python3 -m tuner.cli "$step" "${args[@]}" -o "$OUT/$step.json" 2>&1 \
+        | tee "$OUT/$step.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done

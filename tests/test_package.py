@@ -95,11 +95,15 @@ def test_dispatch_table_and_info_without_a_gpu(packaged):
     assert info["arch"] == "sm_90a" and info["cc"] == 90
     assert info["export"]["sha256"] == hashlib.sha256(export.read_bytes()).hexdigest()
     assert info["versions"]["hgemm_tune"] and info["versions"]["nvcc"]
-    kernels = {k["shape"]: k["id"] for k in info["kernels"]}
+    kernels = {p["shape"]: p["id"] for p in info["picks"]}
     assert set(kernels) == {"64x256x512", "1024x256x512", "128x512x256"}
+    # two picks share SMALL's compile-time config (SWIZZLE_LOG is a run-time knob): one kernel
+    assert len(info["kernels"]) == 2
+    assert info["picks"][kernels["64x256x512"]]["kernel"] == info["picks"][kernels["128x512x256"]]["kernel"]
+    assert json.loads((dist / "package.json").read_text()) == info
     layer = next(x for x in info["layers"] if (x["N"], x["K"]) == (256, 512))
     assert [b["M"] for b in layer["buckets"]] == [64, 1024, 4096]
-    assert layer["buckets"][2]["kernel"] is None  # the vendor won there
+    assert layer["buckets"][2]["pick"] is None  # the vendor won there
     small, large = kernels["64x256x512"], kernels["1024x256x512"]
     look = lib.hgemm_tuned_lookup
     assert look(64, 256, 512) == small and look(1024, 256, 512) == large          # exact
@@ -113,15 +117,18 @@ def test_dispatch_table_and_info_without_a_gpu(packaged):
     # run: bad arguments and vendor answers never touch the device; a tuned call finds no GPU here
     run_ = lib.hgemm_tuned_run
     p = ctypes.c_void_p
-    run_.argtypes = [ctypes.c_int] * 3 + [p, ctypes.c_int, p, ctypes.c_int, p, ctypes.c_int, p]
-    assert run_(0, 256, 512, 8, 512, 8, 512, 8, 256, None) == 2
-    assert run_(64, 256, 512, 8, 500, 8, 512, 8, 256, None) == 2                 # lda < K
-    assert run_(64, 256, 512, 8, 1024, 8, 512, 8, 256, None) == 1                # strided: the vendor
-    assert run_(64, 256, 520, 8, 520, 8, 520, 8, 256, None) == 1
-    assert run_(4096, 256, 512, 8, 512, 8, 512, 8, 256, None) == 1
+    run_.argtypes = [ctypes.c_int] * 3 + [p, ctypes.c_int, p, ctypes.c_int, p, ctypes.c_int, p, ctypes.c_size_t, p]
+    assert run_(0, 256, 512, 16, 512, 16, 512, 16, 256, None, 0, None) == 2
+    assert run_(64, 256, 512, 16, 500, 16, 512, 16, 256, None, 0, None) == 2         # lda < K
+    assert run_(64, 256, 512, 16, 1024, 16, 512, 16, 256, None, 0, None) == 1        # strided: the vendor
+    assert run_(64, 256, 512, 8, 512, 16, 512, 16, 256, None, 0, None) == 1          # misaligned: the vendor
+    assert run_(64, 256, 520, 16, 520, 16, 520, 16, 256, None, 0, None) == 1
+    assert run_(4096, 256, 512, 16, 512, 16, 512, 16, 256, None, 0, None) == 1
+    lib.hgemm_tuned_workspace_size.restype = ctypes.c_size_t
+    assert lib.hgemm_tuned_workspace_size(64, 256, 520) == 0
     if not Path("/dev/nvidia0").exists():
         assert lib.hgemm_tuned_check_device() == 5
-        assert run_(64, 256, 512, 8, 512, 8, 512, 8, 256, None) == 5
+        assert run_(64, 256, 512, 16, 512, 16, 512, 16, 256, None, 0, None) == 5
 
 
 def test_constraints_and_launch_translate_to_c():
@@ -150,9 +157,6 @@ def test_bad_inputs_one_line_exit_2(tmp_path):
     one_line_exit_2(run("package", str(write_export(tmp_path / "k.json", [entry("64x256x512", knobs={"BM": 48})])),
                         "-o", out), "BM=48")
     one_line_exit_2(run("package", str(tmp_path / "missing.json"), "-o", out), "missing.json")
-    sm90 = entry("4096x4096x4096", family="cute_sm90", knobs={})
-    one_line_exit_2(run("package", str(write_export(tmp_path / "h.json", [sm90])), "-o", out),
-                    "not packaged yet", "cute_sm90")
     vendor_only = write_export(tmp_path / "v.json", [entry("64x256x512", pick="cublas")])
     one_line_exit_2(run("package", str(vendor_only), "-o", out), "nothing to package")
 
@@ -166,4 +170,60 @@ def test_kernel_that_does_not_compile_is_one_line(tmp_path):
     space.write_text((ROOT / "space.yaml").read_text())
     export = write_export(tmp_path / "best.json", [entry("64x256x512")])
     one_line_exit_2(run("package", str(export), "-o", str(tmp_path / "dist"), "--space", str(space)),
-                    "kernel k0 (64x256x512, wmma) does not compile")
+                    "kernel k0 (wmma, for 64x256x512) does not compile")
+
+
+def test_cute_sm90_picks_share_a_kernel_and_keep_their_run_time_knobs(tmp_path):
+    """Library-family picks: one kernel per compile-time config, the run-time knobs as the
+    launcher's ints, the family's names renamed per kernel, the split-K rule as a C test."""
+    from tuner.runtime.codegen import dispatch_unit, kernel_unit
+    from tuner.runtime.package import plan
+
+    fam = load_space(None).family("cute_sm90")
+    a = fam.defaults() | {"CLUSTER_M": 1}
+    b = a | {"TILE_N": 128, "STAGES": 6, "TMA_L2_PROMOTION": 256, "SCHEDULER": "streamk"}
+    export = write_export(tmp_path / "best.json", [
+        entry("128x4096x4096", family="cute_sm90", knobs=a),
+        entry("1024x4096x4096", family="cute_sm90", knobs=a | {"RASTER": "along_m", "SWIZZLE": 2}),
+        entry("256x256x8192", family="cute_sm90", knobs=b | {"DECOMP": "split_4", "REDUCTION": "nondeterministic"}),
+        entry("1x4096x4096", family="cute_sm90", knobs=a, pick="cublas")])
+    kernels, picks, vendor, skipped, layers, _ = plan(export, "sm_90a")
+    assert len(kernels) == 2 and [p.kernel for p in picks] == [0, 0, 1]
+    assert [p.args for p in picks] == [(2, 1, 1, 0), (1, 2, 1, 0), (2, 1, 4, 1)]  # raster, swizzle, splits, reduction
+    assert vendor == ["1x4096x4096"] and not skipped
+    assert "hk_ceil_div(M, 128LL)" in picks[2].valid   # split-K only where tiles leave SMs idle: a run-time test
+    unit = kernel_unit(kernels[1])
+    for name in ("hgemm_run", "hgemm_tune", "hgemm_tma_promotion"):
+        assert f"#define {name} {name.replace('hgemm', 'hgemm_tuned_k1', 1)}" in unit
+    assert 'extern "C" __attribute__((visibility("default"))) int hgemm_tuned_k1_launch(' in unit
+    table = dispatch_unit(kernels, picks, layers, 90, "{}")
+    assert "{pick2_valid, hgemm_tuned_k1_ws, hgemm_tuned_k1_launch, {2, 1, 4, 1}}" in table
+
+
+def test_torch_operator_builds_and_checks_its_inputs_without_a_gpu(packaged):
+    """The PyTorch shim compiles against the torch here, registers torch.ops.hgemm.linear with a
+    Meta kernel (shapes for torch.compile and fake tensors) and refuses a wrong dtype in one line."""
+    torch = pytest.importorskip("torch")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tuner.runtime import torch_op
+
+    dist, _ = packaged
+    shim = torch_op.build(dist)
+    assert torch_op.build(dist) == shim   # the same torch: kept, not rebuilt
+    info = torch_op.load(dist)
+    assert info["arch"] == "sm_90a"
+    x = torch.empty(3, 5, 512, dtype=torch.float16, device="meta")
+    w = torch.empty(256, 512, dtype=torch.float16, device="meta")
+    assert torch.ops.hgemm.linear(x, w).shape == (3, 5, 256)
+    with FakeTensorMode():
+        assert torch.ops.hgemm.linear(torch.empty(7, 512, dtype=torch.float16),
+                                      torch.empty(256, 512, dtype=torch.float16)).shape == (7, 256)
+    with pytest.raises(RuntimeError, match="must be float16"):
+        torch.ops.hgemm.linear(x.float(), w)
+    with pytest.raises(RuntimeError, match="in_features"):
+        torch.ops.hgemm.linear(torch.empty(3, 500, dtype=torch.float16, device="meta"), w)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256).half())  # on the CPU: not swapped
+    assert torch_op.swap_linear(model) == []

@@ -9,7 +9,18 @@ through a `Listener` (the CLI draws bars and tables from it); nothing here print
 the input are `tuner.errors.UserError`, raised before any GPU work starts.
 """
 
-from tuner.api.results import Build, bench, catalogue_build, catalogue_jobs, check_entries, export, package, prebuild
+from tuner.api.results import (
+    Build,
+    bench,
+    bench_model,
+    catalogue_build,
+    catalogue_jobs,
+    check_entries,
+    check_package,
+    export,
+    package,
+    prebuild,
+)
 from tuner.api.run import (
     BACKENDS,
     DEFAULT_STORAGE,
@@ -27,7 +38,8 @@ from tuner.api.tuning import confirm, confirm_best, join_study, nearest_tuned, s
 
 __all__ = [
     "BACKENDS", "DEFAULT_STORAGE", "Build", "Listener", "Options", "SweepResult", "TuneResult", "bench",
-    "catalogue_build", "catalogue_jobs", "check_entries", "check_family_names", "confirm", "confirm_best", "export",
+    "bench_model", "check_package", "catalogue_build", "catalogue_jobs", "check_entries", "check_family_names",
+    "confirm", "confirm_best", "export",
     "families_for", "join_study", "make_backend", "measuring", "nearest_tuned", "package", "prebuild", "split_list",
     "sweep", "tune_shape",
 ]

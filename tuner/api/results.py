@@ -131,12 +131,30 @@ def prebuild(export_file: Path | None, shapes: list[str], arch: str, opts: Optio
     return builds
 
 
-def package(export_file: Path, out_dir: Path, arch: str, opts: Options, *, skip_unsupported: bool = False):
+def package(export_file: Path, out_dir: Path, arch: str, opts: Options, *, on_done=None):
     """Compile every kernel an export picks for `arch` into one shared library with a C API
-    (DIR/libhgemm_tuned.so, DIR/hgemm_tuned.h): tuner.runtime.package."""
+    (DIR/libhgemm_tuned.so, DIR/hgemm_tuned.h, DIR/package.json): tuner.runtime.package."""
     from tuner.runtime.package import package as build_package
 
-    return build_package(export_file, out_dir, arch, opts.space_file, opts.jobs, skip_unsupported)
+    return build_package(export_file, out_dir, arch, opts.space_file, opts.jobs, on_done=on_done)
+def check_package(package_dir: Path, layers: list[tuple[int, int]] | None = None, m_max: int = 4096, on_layer=None):
+    """Run every M from 1 to m_max of a package's layers through its C entry and its PyTorch
+    operator on this GPU, against cuBLAS; a CUDA-graph capture; host time per call
+    (tuner.runtime.check)."""
+    from tuner.runtime.check import check_package as run_check
+
+    return run_check(package_dir, layers, m_max, on_layer=on_layer)
+
+
+def bench_model(package_dir: Path, layers: int = 2, prefill: tuple[int, ...] = (512, 1024, 2048, 4096),
+                decode: tuple[int, ...] = (1, 8, 32, 64), repeats: int = 20, graphs: bool = True, on_row=None):
+    """A Llama-3-8B-shaped transformers model, stock against its Linear layers on the package
+    (tuner.runtime.model_bench)."""
+    from tuner.runtime.model_bench import bench_model as run_bench
+
+    return run_bench(package_dir, layers, prefill, decode, repeats, graphs, on_row=on_row)
+
+
 def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts: Options) -> list:
     """The configs a catalogue is asked to hold, each with why (tuner.build.catalogue.Job): every
     entry of an export for `arch`, the seeds a fresh study of each shape tries first, and, when

@@ -20,6 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
 
 for command in (tuning.tune, tuning.worker, tuning.sweep, studies.record, studies.render, studies.show,
                 studies.studies, studies.export, results.report, results.bench, results.prebuild, results.package,
+                results.check_package, results.bench_model,
                 tools.propose, tools.proposals, tools.doctor):
     app.command(help=results.BENCH_HELP if command is results.bench else None)(command)
 app.add_typer(results.catalogue_app, name="catalogue")

@@ -120,7 +120,8 @@ def bench(
         console.print("[yellow]interrupted[/]: nothing written")
         raise typer.Exit(130) from None
     finally:
-        bar.stop()
+        if bar.live.is_started:
+            bar.stop()
     runs = f", {repeats} runs each" if repeats > 1 else ""
     table = Table(title=f"bench on {result['gpu']} ({result['arch']}){runs}: vs X = X us / ours us")
     for col in ("shape", "mode", "family", "ours us", "TFLOP/s", "cuBLAS us",
@@ -191,28 +192,142 @@ def package(
     export_file: Annotated[Path, typer.Argument(metavar="EXPORT_JSON", help="The export whose picks to package.")],
     out: o.OutDir,
     arch: o.Arch = "sm_90a",
-    skip_unsupported: Annotated[bool, typer.Option(
-        "--skip-unsupported", help="Leave picks that cannot be packaged yet (cute_sm90) to the vendor.")] = False,
     space_file: o.SpaceFile = None,
     jobs: o.Jobs = None,
 ) -> None:
     """Compile an export's tuned kernels for --arch into ONE shared library with a C API.
 
-    Writes DIR/libhgemm_tuned.so and DIR/hgemm_tuned.h (`hgemm_tuned_run`, status codes, a
-    dispatch table for any M >= 1 of a tuned (N, K)); the program needs only the CUDA driver.
+    Writes DIR/libhgemm_tuned.so, DIR/hgemm_tuned.h (`hgemm_tuned_run`, status codes, a dispatch
+    table for any M >= 1 of a tuned (N, K)) and DIR/package.json; the program needs only the CUDA
+    driver. Picks that share a compile-time config share one kernel. Running it again on the same
+    export keeps a DIR that already holds this build. PyTorch: `tuner.runtime.torch_op.load(DIR)`.
 
     Example: [bold]hgemm-tune package runs/best.json -o dist/ --arch sm_90a[/]"""
-    result = api.package(export_file, out, arch, api.Options(space_file=space_file, jobs=jobs),
-                         skip_unsupported=skip_unsupported)
-    table = Table("N", "K", "M buckets (kernel)", title=f"dispatch table for {arch}")
+    bar = progress_bar(transient=True)
+    task = bar.add_task("nvcc", total=None, status="")
+
+    def on_done(done: int, total: int) -> None:  # the bar starts with the first build, after the checks
+        if console.is_terminal:
+            bar.start()
+        bar.update(task, total=total, completed=done)
+
+    try:
+        result = api.package(export_file, out, arch, api.Options(space_file=space_file, jobs=jobs), on_done=on_done)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+    table = Table("N", "K", "M buckets (pick: kernel, run-time knobs)", title=f"dispatch table for {arch}")
+    picks = {p.index: p for p in result.picks}
+
+    def name(pick: int | None) -> str:
+        if pick is None:
+            return "vendor"
+        p = picks[pick]
+        knobs = ",".join(f"{v}" for v in p.variant.values())
+        return f"k{p.kernel}" + escape(f"[{knobs}]" if knobs else "")
+
     for layer in result.layers:
-        table.add_row(str(layer["N"]), str(layer["K"]), ", ".join(
-            f"{b['M']} ({'vendor' if b['kernel'] is None else 'k' + str(b['kernel'])})" for b in layer["buckets"]))
+        table.add_row(str(layer["N"]), str(layer["K"]),
+                      ", ".join(f"{b['M']} ({name(b['pick'])})" for b in layer["buckets"]))
     out_console.print(table)
     for note in result.skipped:
         console.print(f"left out: {escape(note)}")
-    console.print(f"{len(result.kernels)} kernels in {result.library} ({result.size_bytes / 1e6:.1f} MB, "
-                  f"{result.seconds:.1f} s); header {result.header}")
+    how = "kept (already this build)" if result.reused else f"built in {result.seconds:.1f} s"
+    console.print(f"{len(result.picks)} picks, {len(result.kernels)} kernels in {result.library} "
+                  f"({result.size_bytes / 1e6:.1f} MB, {how}); header {result.header}")
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UserError(f"{what} {text!r}: expected a comma list of integers") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{what} {text!r}: expected positive integers")
+    return values
+
+
+def check_package(
+    package_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A folder made by `hgemm-tune package`.")],
+    layers: Annotated[str | None, typer.Option(
+        "--layers", help="Comma list of NxK to check (default: every layer of the package).")] = None,
+    m_max: Annotated[int, typer.Option("--m-max", min=1, max=65536, help="Check every M from 1 to this.")] = 4096,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Also write the report as JSON here.")] = None,
+) -> None:
+    """Check a package on this GPU as a program uses it: every M of its layers through the C
+    entry (ctypes) and through torch.ops.hgemm.linear against cuBLAS, a CUDA-graph capture,
+    and the operator's host time per call next to F.linear's. Needs torch with CUDA, not nvcc.
+
+    Example: [bold]hgemm-tune check-package dist/ --layers 4096x4096,14336x4096[/]"""
+    import dataclasses
+    import json
+
+    nk = None
+    if layers:
+        try:
+            nk = [tuple(int(v) for v in item.lower().split("x")) for item in layers.split(",") if item.strip()]
+        except ValueError:
+            raise UserError(f"--layers {layers!r}: expected NxK items, e.g. 4096x4096,14336x4096") from None
+        if any(len(t) != 2 for t in nk):
+            raise UserError(f"--layers {layers!r}: expected NxK items, e.g. 4096x4096,14336x4096")
+    report = api.check_package(package_dir, nk, m_max, on_layer=lambda lc: console.print(
+        f"{lc.N}x{lc.K}: {lc.ours} M on our kernels, {lc.vendor} on the vendor, "
+        f"{len(lc.failed_c) + len(lc.failed_op)} failed"))
+    from tuner.runtime.check import summary_rows
+
+    rows = summary_rows(report)
+    table = Table(*rows[0].keys(), title=f"check-package on {report.gpu} (torch {report.torch})")
+    for r in rows:
+        table.add_row(*(str(v) for v in r.values()))
+    out_console.print(table)
+    console.print(f"host time per call at {report.host_shape}: "
+                  + ", ".join(f"{k} {v:.2f} us" for k, v in report.host_us.items())
+                  + f"; nvcc on PATH: {'yes' if report.nvcc_reachable else 'no'}, CUTLASS importable: "
+                  + f"{'yes' if report.cutlass_importable else 'no'}; {report.seconds:.0f} s")
+    if out:
+        out.write_text(json.dumps(dataclasses.asdict(report) | {"ok": report.ok}, indent=1, default=str))
+    if not report.ok:
+        for lc in report.layers:
+            if lc.failed_c or lc.failed_op:
+                console.print(f"[red]FAILED[/] {lc.N}x{lc.K}: C entry at M {lc.failed_c[:10]}, "
+                              f"operator at M {lc.failed_op[:10]}")
+        raise typer.Exit(1)
+
+
+def bench_model(
+    package_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A folder made by `hgemm-tune package`.")],
+    layers: Annotated[int, typer.Option("--layers", min=1, max=32, help="Decoder layers of the model.")] = 2,
+    prefill: Annotated[str, typer.Option("--prefill", help="Comma list of prefill lengths (tokens).")
+                       ] = "512,1024,2048,4096",
+    decode: Annotated[str, typer.Option("--decode", help="Comma list of decode batch sizes.")] = "1,8,32,64",
+    repeats: Annotated[int, typer.Option("--repeats", min=3, help="Timed forwards per contender and case.")] = 20,
+    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays.")] = True,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Also write the rows as JSON here.")] = None,
+) -> None:
+    """Time a Llama-3-8B-shaped transformers model (random weights, nothing downloaded) stock
+    and with its Linear layers on the package, interleaved, eager and CUDA-graph replayed; the
+    logits' max error against an fp32 copy for both.
+
+    Example: [bold]hgemm-tune bench-model dist/ --layers 2 --prefill 512,4096 --decode 1,64[/]"""
+    import json
+
+    pre, dec = _int_list(prefill, "--prefill"), _int_list(decode, "--decode")
+    report = api.bench_model(package_dir, layers, pre, dec, repeats, graphs,
+                             on_row=lambda r: console.print(f"{r.phase} B={r.batch} T={r.tokens} {r.mode}: "
+                                                            f"{fmt(r.stock_ms, '.3f')} -> {fmt(r.ours_ms, '.3f')} ms"))
+    table = Table("phase", "batch", "tokens", "M", "mode", "stock ms", "ours ms", "speedup", "Linear on ours",
+                  "logits err stock", "logits err ours", "note",
+                  title=f"Llama-3-8B-shaped, {report.layers} layers, on {report.gpu} (torch {report.torch}, "
+                        f"transformers {report.transformers})")
+    for r in report.rows:
+        table.add_row(r.phase, str(r.batch), str(r.tokens), str(r.M), r.mode, fmt(r.stock_ms, ".3f"),
+                      fmt(r.ours_ms, ".3f"), fmt(r.speedup, ".3f"), f"{r.linear_calls_ours}/{r.linear_calls}",
+                      fmt(r.stock_err, ".3g"), fmt(r.ours_err, ".3g"), escape(r.note))
+    out_console.print(table)
+    if out:
+        out.write_text(json.dumps(report.to_dict(), indent=1))
+
+
 catalogue_app = typer.Typer(no_args_is_help=True, help="Build or inspect a kernel catalogue: compiled kernels of "
                             "chosen configs in one verified file, carried to the GPU machine (`tune --catalogue`).")
 

@@ -28,9 +28,10 @@ def fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
-def progress_bar() -> Progress:
+def progress_bar(transient: bool = False) -> Progress:
+    """transient: the bar goes away when it stops (work whose summary follows, or whose error does)."""
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console)
+                    TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console, transient=transient)
 
 
 class CliListener(Listener):

@@ -15,9 +15,12 @@ from tuner.version import __version__
 
 LIBRARY = "libhgemm_tuned.so"
 HEADER = "hgemm_tuned.h"
-API = ("hgemm_tuned_run", "hgemm_tuned_lookup", "hgemm_tuned_info", "hgemm_tuned_check_device")
+INFO = "package.json"
+API = ("hgemm_tuned_run", "hgemm_tuned_workspace_size", "hgemm_tuned_lookup", "hgemm_tuned_info",
+       "hgemm_tuned_check_device")
 STATUS = {0: "ok", 1: "no tuned kernel for this call: use the vendor library", 2: "bad argument",
-          3: "launch failed", 4: "this GPU is not the library's arch", 5: "no CUDA device or runtime error"}
+          3: "launch failed", 4: "this GPU is not the library's arch", 5: "no CUDA device or runtime error",
+          6: "workspace too small (ask hgemm_tuned_workspace_size)"}
 RULE = ("per (N, K): an exact M runs its bucket's pick; another M runs the pick of the nearest M bucket "
         "(|M - bucket|, ties to the larger bucket) among buckets whose kernel's constraints hold for (M, N, K); "
         "a bucket the vendor won answers 1 (use the vendor); no valid bucket or another (N, K) answers 1")
@@ -26,20 +29,32 @@ SHAPE_NAMES = ("M", "N", "K")
 
 @dataclass
 class Kernel:
+    """One compiled unit: a family's compile-time config. Several picks (shapes, run-time knobs)
+    may share it."""
     index: int
-    shape: Shape
     family: str
-    knobs: dict[str, Any]
-    swizzle_log: int
+    knobs: dict[str, Any]            # compile-time knobs
+    artifact: str                    # cubin: a __global__ we launch; library: the family's own host launcher
     source: str
-    grid: str           # C expressions over (long long) M, N, K
-    block: str
-    smem: str
-    valid: str
+    grid: str = ""                   # cubin only: C expressions over (long long) M, N, K
+    block: str = ""
+    smem: str = ""
 
     @property
     def symbol(self) -> str:
         return f"hgemm_tuned_k{self.index}"
+
+
+@dataclass
+class Pick:
+    """An export entry's choice: a kernel, its run-time knobs as the launcher's four ints, and
+    the family's constraints for the full config as a C test over M, N, K."""
+    index: int
+    shape: Shape
+    kernel: int
+    variant: dict[str, Any]
+    args: tuple[int, int, int, int]  # cubin: (swizzle_log, 0, 0, 0); library: (raster, swizzle, splits, reduction)
+    valid: str
 
 
 @dataclass
@@ -49,11 +64,13 @@ class Packaged:
     header: Path
     arch: str
     kernels: list[Kernel]
+    picks: list[Pick]
     vendor_shapes: list[str]            # buckets whose pick is the vendor (answer status 1)
     skipped: list[str]                  # entries left out, each with why
     layers: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     size_bytes: int = 0
+    reused: bool = False                # the library in DIR was already this export's build
 
 
 # ---- space.yaml expressions -> C -------------------------------------------------------------
@@ -134,42 +151,44 @@ class CTranslator:
 # ---- generated sources ---------------------------------------------------------------------
 
 C_HELPERS = """\
-static inline long long hk_floordiv(long long a, long long b) {
+#define HK [[maybe_unused]]
+HK static inline long long hk_floordiv(long long a, long long b) {
     if (b == 0) return 0;
     long long q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
-static inline long long hk_mod(long long a, long long b) { return b == 0 ? 0 : a - hk_floordiv(a, b) * b; }
-static inline long long hk_ceil_div(long long a, long long b) { return b == 0 ? 0 : -hk_floordiv(-a, b); }
-static inline long long hk_min(long long a, long long b) { return a < b ? a : b; }
-static inline long long hk_max(long long a, long long b) { return a > b ? a : b; }
-static inline long long hk_abs(long long a) { return a < 0 ? -a : a; }
+HK static inline long long hk_mod(long long a, long long b) { return b == 0 ? 0 : a - hk_floordiv(a, b) * b; }
+HK static inline long long hk_ceil_div(long long a, long long b) { return b == 0 ? 0 : -hk_floordiv(-a, b); }
+HK static inline long long hk_min(long long a, long long b) { return a < b ? a : b; }
+HK static inline long long hk_max(long long a, long long b) { return a > b ? a : b; }
+HK static inline long long hk_abs(long long a) { return a < 0 ? -a : a; }
 """
 
 
-def kernel_unit(k: Kernel) -> str:
-    """The family's rendered source with its entry renamed, plus its launcher and validity test."""
-    return f"""// hgemm-tune package: kernel {k.index}, {k.shape} ({k.family}) {json.dumps(k.knobs, sort_keys=True)}
-#define hgemm {k.symbol}
+EXPORT = 'extern "C" __attribute__((visibility("default")))'
+# Every kernel unit's launcher has this signature; `args` are the pick's four ints.
+LAUNCH_SIG = ("int M, int N, int K, const void* A, const void* B, void* C, const int* args, int sm_count, "
+              "void* workspace, cudaStream_t stream")
+WORKSPACE_SIG = "int M, int N, int K, const int* args, int sm_count"
+# The names a library family's source defines outside anonymous namespaces: renamed per kernel,
+# so two kernels' classes and entry points never meet at link time (each object's hidden
+# symbols are made local after compiling as well: package.py).
+LIBRARY_RENAMES = ("hgemm_run", "hgemm_workspace", "hgemm_info", "hgemm_timeline", "hgemm_tune",
+                   "hgemm_tma_promotion")
+
+
+def _cubin_unit(k: Kernel) -> str:
+    return f"""#define hgemm {k.symbol}
 {k.source}
 #undef hgemm
 #include <cuda_runtime.h>
 namespace {{
 {C_HELPERS}}}  // namespace
 
-extern "C" int {k.symbol}_valid(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K;
-    return ({k.valid}) ? 1 : 0;
-}}
+{EXPORT} size_t {k.symbol}_workspace({WORKSPACE_SIG}) {{
+    (void)M; (void)N; (void)K; (void)args; (void)sm_count; return 0; }}
 
-static long long {k.symbol}_grid(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K; return {k.grid}; }}
-static long long {k.symbol}_block(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K; return {k.block}; }}
-static long long {k.symbol}_smem(long long M, long long N, long long K) {{
-    (void)M; (void)N; (void)K; return {k.smem}; }}
-
-extern "C" int {k.symbol}_launch(int M, int N, int K, const void* A, const void* B, void* C, cudaStream_t stream) {{
-    const long long grid = {k.symbol}_grid(M, N, K), block = {k.symbol}_block(M, N, K),
-                    smem = {k.symbol}_smem(M, N, K);
+{EXPORT} int {k.symbol}_launch({LAUNCH_SIG}) {{
+    (void)sm_count; (void)workspace;
+    const long long grid = {k.grid}, block = {k.block}, smem = {k.smem};
     if (grid < 1 || grid > 2147483647LL || block < 1 || block > 1024 || smem < 0) return 2;
     if (smem > 48 * 1024) {{
         cudaError_t e = cudaFuncSetAttribute((const void*){k.symbol}, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -179,13 +198,39 @@ extern "C" int {k.symbol}_launch(int M, int N, int K, const void* A, const void*
     const __half* a = (const __half*)A;
     const __half* b = (const __half*)B;
     __half* c = (__half*)C;
-    int swizzle_log = {k.swizzle_log};
-    void* args[] = {{(void*)&a, (void*)&b, (void*)&c, (void*)&M, (void*)&N, (void*)&K, (void*)&swizzle_log}};
-    cudaError_t e = cudaLaunchKernel((const void*){k.symbol}, dim3((unsigned)grid), dim3((unsigned)block), args,
+    int swizzle_log = args[0];
+    void* params[] = {{(void*)&a, (void*)&b, (void*)&c, (void*)&M, (void*)&N, (void*)&K, (void*)&swizzle_log}};
+    cudaError_t e = cudaLaunchKernel((const void*){k.symbol}, dim3((unsigned)grid), dim3((unsigned)block), params,
                                      (size_t)smem, stream);
     return e == cudaSuccess ? 0 : 3;
 }}
 """
+
+
+def _library_unit(k: Kernel) -> str:
+    renames = "\n".join(f"#define {n} {n.replace('hgemm', k.symbol, 1)}" for n in LIBRARY_RENAMES)
+    undefs = "\n".join(f"#undef {n}" for n in LIBRARY_RENAMES)
+    run, ws = f"{k.symbol}_run", f"{k.symbol}_workspace"
+    return f"""{renames}
+{k.source}
+{undefs}
+
+{EXPORT} size_t {k.symbol}_ws({WORKSPACE_SIG}) {{
+    return {ws}(M, N, K, args[0], args[1], args[2], args[3], sm_count); }}
+
+{EXPORT} int {k.symbol}_launch({LAUNCH_SIG}) {{
+    // the family's codes: 1 CUTLASS refuses the arguments (-> the vendor), 2 workspace set-up, 3 launch
+    const int rc = {run}(A, B, C, M, N, K, args[0], args[1], args[2], args[3], 0, sm_count, workspace, stream);
+    return rc == 0 ? 0 : rc == 1 ? 1 : 3;
+}}
+"""
+
+
+def kernel_unit(k: Kernel) -> str:
+    """The family's rendered source with its names made unique, plus the launcher the dispatch
+    table calls (`<symbol>_launch`, `<symbol>_ws` for the workspace bytes)."""
+    head = f"// hgemm-tune package: kernel {k.index} ({k.family}, {k.artifact}) {json.dumps(k.knobs, sort_keys=True)}\n"
+    return head + (_library_unit(k) if k.artifact == "library" else _cubin_unit(k))
 
 
 def _c_string(text: str) -> str:
@@ -194,32 +239,45 @@ def _c_string(text: str) -> str:
     return "\n".join(f'    "{c}"' for c in chunks) or '    ""'
 
 
-def dispatch_unit(kernels: list[Kernel], layers: list[dict[str, Any]], cc: int, info: str) -> str:
+def dispatch_unit(kernels: list[Kernel], picks: list[Pick], layers: list[dict[str, Any]], cc: int, info: str) -> str:
+    ws_name = {k.index: f"{k.symbol}_ws" if k.artifact == "library" else f"{k.symbol}_workspace" for k in kernels}
     decls = "\n".join(
-        f'extern "C" int {k.symbol}_valid(long long, long long, long long);\n'
-        f'extern "C" int {k.symbol}_launch(int, int, int, const void*, const void*, void*, cudaStream_t);'
+        f'extern "C" size_t {ws_name[k.index]}({WORKSPACE_SIG});\n'
+        f'extern "C" int {k.symbol}_launch({LAUNCH_SIG});'
         for k in kernels)
-    fns = ",\n".join(f"    {{{k.symbol}_valid, {k.symbol}_launch}}" for k in kernels) or "    {nullptr, nullptr}"
+    valids = "\n".join(
+        f"int pick{p.index}_valid(long long M, long long N, long long K) {{\n"
+        f"    (void)M; (void)N; (void)K; return ({p.valid}) ? 1 : 0; }}" for p in picks)
+    pick_rows = ",\n".join(
+        f"    {{pick{p.index}_valid, {ws_name[p.kernel]}, {kernels[p.kernel].symbol}_launch, "
+        f"{{{', '.join(map(str, p.args))}}}}}" for p in picks) or "    {nullptr, nullptr, nullptr, {0, 0, 0, 0}}"
     buckets, rows = [], []
     for layer in layers:
         rows.append(f"    {{{layer['N']}, {layer['K']}, {len(buckets)}, {len(layer['buckets'])}}}")
-        buckets += [f"    {{{b['M']}, {-1 if b['kernel'] is None else b['kernel']}}}" for b in layer["buckets"]]
+        buckets += [f"    {{{b['M']}, {-1 if b['pick'] is None else b['pick']}}}" for b in layer["buckets"]]
     bucket_rows = ",\n".join(buckets) or "    {0, -1}"
     layer_rows = ",\n".join(rows) or "    {0, 0, 0, 0}"
     return f"""// Generated by hgemm-tune {__version__} package: the dispatch table and the C API.
 #include <atomic>
+#include <stddef.h>
+#include <stdint.h>
 #include <cuda_runtime.h>
 #include "{HEADER}"
 
 {decls}
 
 namespace {{
-struct KernelFns {{ int (*valid)(long long, long long, long long);
-                   int (*launch)(int, int, int, const void*, const void*, void*, cudaStream_t); }};
-struct Bucket {{ int M; int kernel; }};       // kernel -1: the vendor won this bucket
+{C_HELPERS}
+{valids}
+
+struct PickFns {{ int (*valid)(long long, long long, long long);
+                 size_t (*workspace)({WORKSPACE_SIG});
+                 int (*launch)({LAUNCH_SIG});
+                 int args[4]; }};
+struct Bucket {{ int M; int pick; }};         // pick -1: the vendor won this bucket
 struct Layer {{ int N, K, first, count; }};   // buckets sorted by M
-const KernelFns kKernels[] = {{
-{fns}
+const PickFns kPicks[] = {{
+{pick_rows}
 }};
 const Bucket kBuckets[] = {{
 {bucket_rows}
@@ -232,18 +290,25 @@ const int kCC = {cc};
 const char kInfo[] =
 {_c_string(info)};
 
-int device_status() {{   // 0 this arch, 4 another arch, 5 no device; cached per device
-    static std::atomic<int> cache[64];
+struct DeviceState {{ int status; int sm_count; }};
+
+// 0 this arch, 4 another arch, 5 no device; with the SM count. Asked once per device.
+DeviceState device_state() {{
+    static std::atomic<long long> cache[64];   // (status + 1) << 32 | sm_count; 0: not asked yet
     int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return HGEMM_TUNED_NO_DEVICE;
-    if (dev >= 0 && dev < 64 && cache[dev].load(std::memory_order_relaxed)) return cache[dev].load() - 1;
-    int major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return {{HGEMM_TUNED_NO_DEVICE, 0}};
+    if (dev >= 0 && dev < 64) {{
+        const long long v = cache[dev].load(std::memory_order_relaxed);
+        if (v) return {{(int)(v >> 32) - 1, (int)(v & 0xffffffff)}};
+    }}
+    int major = 0, minor = 0, sms = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-        return HGEMM_TUNED_NO_DEVICE;
-    int status = (major * 10 + minor == kCC) ? HGEMM_TUNED_OK : HGEMM_TUNED_WRONG_ARCH;
-    if (dev >= 0 && dev < 64) cache[dev].store(status + 1);
-    return status;
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return {{HGEMM_TUNED_NO_DEVICE, 0}};
+    const int status = (major * 10 + minor == kCC) ? HGEMM_TUNED_OK : HGEMM_TUNED_WRONG_ARCH;
+    if (dev >= 0 && dev < 64) cache[dev].store(((long long)(status + 1) << 32) | (long long)sms);
+    return {{status, sms}};
 }}
 }}  // namespace
 
@@ -256,32 +321,45 @@ extern "C" HGEMM_TUNED_API int hgemm_tuned_lookup(int M, int N, int K) {{
         long long best_d = 0;
         for (int i = layer.first; i < layer.first + layer.count; ++i) {{
             const Bucket& b = kBuckets[i];
-            if (b.kernel >= 0 && !kKernels[b.kernel].valid(M, N, K)) continue;
+            if (b.pick >= 0 && !kPicks[b.pick].valid(M, N, K)) continue;
             long long d = (long long)M - b.M;
             if (d < 0) d = -d;
             if (best < 0 || d <= best_d) {{ best = i; best_d = d; }}   // ascending M: a tie goes to the larger
         }}
-        return best < 0 ? -1 : kBuckets[best].kernel;
+        return best < 0 ? -1 : kBuckets[best].pick;
     }}
     return -1;
 }}
 
+extern "C" HGEMM_TUNED_API size_t hgemm_tuned_workspace_size(int M, int N, int K) {{
+    const int p = hgemm_tuned_lookup(M, N, K);
+    if (p < 0) return 0;
+    const DeviceState dev = device_state();
+    if (dev.status != HGEMM_TUNED_OK) return 0;
+    return kPicks[p].workspace(M, N, K, kPicks[p].args, dev.sm_count);
+}}
+
 extern "C" HGEMM_TUNED_API int hgemm_tuned_run(int M, int N, int K, const void* A, int lda, const void* B, int ldb,
-                                               void* C, int ldc, void* stream) {{
+                                               void* C, int ldc, void* workspace, size_t workspace_bytes,
+                                               void* stream) {{
     if (M < 1 || N < 1 || K < 1 || !A || !B || !C || lda < K || ldb < K || ldc < N) return HGEMM_TUNED_BAD_ARGUMENT;
     if (lda != K || ldb != K || ldc != N) return HGEMM_TUNED_NO_KERNEL;   // our kernels read dense rows
-    const int k = hgemm_tuned_lookup(M, N, K);
-    if (k < 0) return HGEMM_TUNED_NO_KERNEL;
-    const int dev = device_status();
-    if (dev != HGEMM_TUNED_OK) return dev;
-    return kKernels[k].launch(M, N, K, A, B, C, (cudaStream_t)stream);
+    // 16-byte loads and TMA descriptors need 16-byte aligned operands (a view into a tensor may not be)
+    if (((uintptr_t)A | (uintptr_t)B | (uintptr_t)C) & 15) return HGEMM_TUNED_NO_KERNEL;
+    const int p = hgemm_tuned_lookup(M, N, K);
+    if (p < 0) return HGEMM_TUNED_NO_KERNEL;
+    const DeviceState dev = device_state();
+    if (dev.status != HGEMM_TUNED_OK) return dev.status;
+    const size_t need = kPicks[p].workspace(M, N, K, kPicks[p].args, dev.sm_count);
+    if (need > 0 && (workspace == nullptr || workspace_bytes < need)) return HGEMM_TUNED_WORKSPACE_TOO_SMALL;
+    return kPicks[p].launch(M, N, K, A, B, C, kPicks[p].args, dev.sm_count, need ? workspace : nullptr,
+                            (cudaStream_t)stream);
 }}
 
 extern "C" HGEMM_TUNED_API const char* hgemm_tuned_info(void) {{ return kInfo; }}
 
-extern "C" HGEMM_TUNED_API int hgemm_tuned_check_device(void) {{ return device_status(); }}
+extern "C" HGEMM_TUNED_API int hgemm_tuned_check_device(void) {{ return device_state().status; }}
 """
-
 
 def header_text(arch: str) -> str:
     return f"""/* hgemm_tuned.h: tuned fp16 GEMMs packaged by hgemm-tune {__version__} for {arch}.
@@ -292,6 +370,7 @@ def header_text(arch: str) -> str:
  * for the legacy default stream) and returns a status, never throws. */
 #ifndef HGEMM_TUNED_H
 #define HGEMM_TUNED_H
+#include <stddef.h>
 
 #define HGEMM_TUNED_OK 0
 #define HGEMM_TUNED_NO_KERNEL 1      /* no tuned kernel for this call: use the vendor (cuBLAS) */
@@ -299,6 +378,7 @@ def header_text(arch: str) -> str:
 #define HGEMM_TUNED_LAUNCH_FAILED 3
 #define HGEMM_TUNED_WRONG_ARCH 4     /* the current GPU is not {arch} */
 #define HGEMM_TUNED_NO_DEVICE 5      /* no CUDA device, or the runtime failed */
+#define HGEMM_TUNED_WORKSPACE_TOO_SMALL 6  /* see hgemm_tuned_workspace_size */
 
 #if defined(__GNUC__)
 #define HGEMM_TUNED_API __attribute__((visibility("default")))
@@ -311,10 +391,16 @@ extern "C" {{
 #endif
 
 /* C = A B^T for any M >= 1 of a tuned (N, K). Strided operands (lda != K, ldb != K, ldc != N)
- * answer HGEMM_TUNED_NO_KERNEL. The first call on a device checks its arch. */
+ * and operands not 16-byte aligned answer HGEMM_TUNED_NO_KERNEL. The first call on a device
+ * checks its arch. `workspace`: device memory of at least hgemm_tuned_workspace_size(M, N, K)
+ * bytes (split-K / stream-K partials; most calls need none: NULL, 0), owned by the caller and
+ * not used by another call at the same time. Nothing here allocates or synchronizes, so a call
+ * can be captured into a CUDA graph. */
 HGEMM_TUNED_API int hgemm_tuned_run(int M, int N, int K, const void* A, int lda, const void* B, int ldb,
-                                    void* C, int ldc, void* stream);
-/* The kernel hgemm_tuned_run would launch for (M, N, K): its index in the info's "kernels",
+                                    void* C, int ldc, void* workspace, size_t workspace_bytes, void* stream);
+/* Bytes of workspace hgemm_tuned_run needs for (M, N, K) on the current device (0 for most). */
+HGEMM_TUNED_API size_t hgemm_tuned_workspace_size(int M, int N, int K);
+/* The pick hgemm_tuned_run would launch for (M, N, K): its index in the info's "picks",
  * -1 for the vendor, -2 for a bad argument. Touches no device. */
 HGEMM_TUNED_API int hgemm_tuned_lookup(int M, int N, int K);
 /* JSON: arch, the export's sha256, the versions, the dispatch rule and table. Touches no device. */

@@ -41,7 +41,7 @@ for step in "$@"; do
         | tee "$OUT/package.log" | tail -20
       timeout "$(cap 200)" python3 -c 'import sys; from tuner.runtime import torch_op; print(torch_op.build(sys.argv[1]))' \
         runs/dist 2>&1 | tail -3
-      cp runs/dist/package.json "$OUT/" ;;
+      cp runs/dist/package.json "$OUT/"; tar cf "$OUT/dist.tar" -C runs dist ;;
     check-package|bench-model)  # a fresh process with nvcc off PATH and without the CUTLASS wheel
       NOCUDA_PATH=$(echo "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd:)
       SITE2=$(mktemp -d)

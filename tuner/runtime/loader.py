@@ -5,6 +5,10 @@ arrays or torch tensors (anything with __cuda_array_interface__ or DLPack). C co
 in the input's framework. Shapes in the file run their tuned kernel (compiled from the
 template on first use, cached on disk); other shapes, and entries whose pick is the
 vendor library, fall back to cuBLAS.
+
+With `package=DIR` (made by `hgemm-tune package`) every call goes through the packaged
+library instead: no compile, and any M of a tuned (N, K) runs the kernel of its nearest M
+bucket (the library's dispatch); what the library answers "use the vendor" runs cuBLAS.
 """
 
 from __future__ import annotations
@@ -21,10 +25,52 @@ from tuner.results.schema import read_json
 from tuner.space import Shape, arch_for_cc, load_space, target_from_device
 
 
+class Packaged:
+    """The C entry of a packaged library, for cupy arrays on cupy's current stream."""
+
+    def __init__(self, package_dir: str | Path):
+        import ctypes
+        import os
+
+        from tuner.runtime.codegen import LIBRARY, STATUS
+        from tuner.runtime.torch_op import package_info
+
+        self.info = package_info(Path(package_dir))
+        self.status = STATUS
+        self.lib = ctypes.CDLL(str(Path(package_dir) / LIBRARY), mode=os.RTLD_LOCAL)
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self.lib.hgemm_tuned_run.argtypes = [i, i, i, p, i, p, i, p, i, p, ctypes.c_size_t, p]
+        self.lib.hgemm_tuned_workspace_size.argtypes = [i, i, i]
+        self.lib.hgemm_tuned_workspace_size.restype = ctypes.c_size_t
+        self.workspace = None
+
+    def run(self, a, b, c, shape: Shape) -> bool:
+        """True when the library ran it; False when it answers "use the vendor"."""
+        import cupy
+
+        M, N, K = shape.M, shape.N, shape.K
+        need = int(self.lib.hgemm_tuned_workspace_size(M, N, K))
+        if need and (self.workspace is None or self.workspace.nbytes < need):
+            self.workspace = cupy.empty(need, dtype=cupy.uint8)
+        ws = self.workspace.data.ptr if need else None
+        rc = self.lib.hgemm_tuned_run(M, N, K, a.data.ptr, K, b.data.ptr, K, c.data.ptr, N, ws, need,
+                                      cupy.cuda.get_current_stream().ptr)
+        if rc == 1:
+            return False
+        if rc:
+            raise UserError(f"the packaged library failed on {shape}: {self.status.get(rc, rc)} (status {rc})")
+        return True
+
+
 class Gemm:
-    def __init__(self, path: str | Path, space_file: str | Path | None = None, accumulate: str = "fp32",
-                 pdl: bool = False):
-        self.data = read_json(path)
+    def __init__(self, path: str | Path | None, space_file: str | Path | None = None, accumulate: str = "fp32",
+                 pdl: bool = False, package: str | Path | None = None):
+        if path is None and package is None:
+            raise UserError("load(...) needs an export JSON or a package folder (package=DIR)")
+        self.packaged = Packaged(package) if package is not None else None
+        if self.packaged is not None and accumulate != "fp32":
+            raise UserError("a package holds fp32-accumulation kernels only")
+        self.data = read_json(path) if path is not None else {"entries": []}
         self.pdl = pdl
         self.space = load_space(space_file)
         # fp16-accumulate entries answer only a loader asked for fp16 accumulation.
@@ -79,12 +125,16 @@ class Gemm:
         a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
         shape = Shape(a.shape[0], b.shape[0], a.shape[1])
         c = out if out is not None else cupy.empty((shape.M, shape.N), dtype=cupy.float16)
-        kern = self.kernel_for(shape)
-        if kern is None:
-            c[...] = cupy.matmul(a, b.T)  # cuBLAS
+        if self.packaged is not None:
+            ran = self.packaged.run(a, b, c, shape)
         else:
-            kernel, variant = kern
-            kernel.run(a, b, c, shape.M, shape.N, shape.K, variant, cupy.cuda.get_current_stream())
+            kern = self.kernel_for(shape)
+            if kern is not None:
+                kernel, variant = kern
+                kernel.run(a, b, c, shape.M, shape.N, shape.K, variant, cupy.cuda.get_current_stream())
+            ran = kern is not None
+        if not ran:
+            c[...] = cupy.matmul(a, b.T)  # cuBLAS
         if torch_in:
             import torch
 
@@ -92,13 +142,15 @@ class Gemm:
         return c
 
 
-def load(path: str | Path, space_file: str | Path | None = None, accumulate: str = "fp32",
-         pdl: bool = False) -> Gemm:
+def load(path: str | Path | None = None, space_file: str | Path | None = None, accumulate: str = "fp32",
+         pdl: bool = False, package: str | Path | None = None) -> Gemm:
     """The exported kernels of `path` as a callable: gemm(A, B) -> C = A @ B.T (fp16).
     space_file: the space the kernels' families come from (default: the packaged space.yaml).
     accumulate="fp16" picks the file's fp16-accumulate entries instead. pdl=True launches the
     Hopper (cute_sm90) kernels with programmatic dependent launch: each may be scheduled while
     the kernel before it on the stream drains, and waits for that kernel's writes before it
     touches memory, so it is safe after any kernel. Measure before keeping it: on an H200 it
-    made some pingpong kernels slower (128x16384x16384 by a third; docs/decisions)."""
-    return Gemm(path, space_file, accumulate, pdl)
+    made some pingpong kernels slower (128x16384x16384 by a third; docs/decisions).
+    package=DIR: run through a packaged library (`hgemm-tune package`) instead of compiling:
+    dynamic-M dispatch, no nvcc or CUTLASS needed; `path` may then be None."""
+    return Gemm(path, space_file, accumulate, pdl, package)

@@ -64,9 +64,8 @@ def _kernel_args(fam, variant: dict[str, Any]) -> tuple[int, int, int, int]:
     return (int(next(iter(variant.values()), 0)), 0, 0, 0)
 
 
-def plan(export_file: Path, arch: str, space_file: Path | None = None,
-         skip_unsupported: bool = False) -> tuple[list[Kernel], list[Pick], list[str], list[str],
-                                                  list[dict[str, Any]], dict]:
+def plan(export_file: Path, arch: str, space_file: Path | None = None
+         ) -> tuple[list[Kernel], list[Pick], list[str], list[str], list[dict[str, Any]], dict]:
     """(kernels, picks, vendor shapes, skipped notes, layers, export data); every refusal is a UserError.
 
     Picks that share a compile-time config share one compiled kernel."""

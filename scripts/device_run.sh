@@ -23,7 +23,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     doctor) python3 -m tuner.cli doctor 2>&1 | tee "$OUT/doctor.log" ;;
-    gpu-tests) timeout "$(cap ${GPU_TESTS_TIMEOUT:-420})" python3 -m pytest -m gpu -q -ra -p no:cacheprovider tests \
+    gpu-tests) timeout "$(cap ${GPU_TESTS_TIMEOUT:-420})" python3 -m pytest -m gpu -q -ra -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests \
                  2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
     tune-bench)  # the product end to end: tune, confirm, export, then bench the export in fresh workers
       timeout "$(cap 300)" python3 -m tuner.cli tune --shape "${SHAPE:-4096x4096x8192}" --trials "${TRIALS:-12}" \
@@ -32,25 +32,30 @@ for step in "$@"; do
       timeout "$(cap 240)" python3 -m tuner.cli bench runs/device_best.json --repeats "${REPEATS:-3}" \
         --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     llama-sweep)  # M buckets of a Llama-3-8B's Linear layers, from the catalogue, into an export
-      timeout "$(cap ${SWEEP_TIMEOUT:-260})" python3 -m tuner.cli sweep space.yaml --shapes llama8b_buckets \
-        --families cute_sm90 --time-per-shape "${TIME_PER_SHAPE:-6}" --budget "${SWEEP_BUDGET:-200}" \
+      timeout "$(cap ${SWEEP_TIMEOUT:-260})" python3 -m tuner.cli sweep space.yaml --shapes "${SHAPES:-llama8b_buckets}" \
+        --families cute_sm90 --trials-per-shape "${TRIALS_PER_SHAPE:-8}" --confirm "${CONFIRM:-0}" \
+        --budget "${SWEEP_BUDGET:-200}" \
         ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/llama.db -o runs/llama.json 2>&1 \
         | tee "$OUT/sweep.log" | tail -45; cp runs/llama.json "$OUT/" ;;
     package)  # the export -> one library (nvcc here: 16 cores) and the PyTorch shim for this torch
-      timeout "$(cap 300)" python3 -m tuner.cli package "${EXPORT:-runs/llama.json}" -o runs/dist 2>&1 \
-        | tee "$OUT/package.log" | tail -20
-      timeout "$(cap 200)" python3 -c 'import sys; from tuner.runtime import torch_op; print(torch_op.build(sys.argv[1]))' \
-        runs/dist 2>&1 | tail -3
-      cp runs/dist/package.json "$OUT/"; tar cf "$OUT/dist.tar" -C runs dist ;;
+      # and, for check-package, the same export with our kernel forced at every bucket (correctness at every M)
+      python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); [e.update(pick=e["family"]) for e in d["entries"]]
+json.dump(d, open(sys.argv[2], "w"))' "${EXPORT:-runs/llama.json}" runs/forced.json
+      for d in dist forced; do
+        src=${EXPORT:-runs/llama.json}; [[ $d == forced ]] && src=runs/forced.json
+        ( timeout "$(cap 300)" python3 -m tuner.cli package "$src" -o runs/$d --jobs 8 > "$OUT/package_$d.log" 2>&1 &&
+          timeout "$(cap 200)" python3 -c 'import sys; from tuner.runtime import torch_op; print(torch_op.build(sys.argv[1]))' \
+            runs/$d >> "$OUT/package_$d.log" 2>&1 ) &
+      done; wait; tail -12 "$OUT"/package_*.log ;;
     check-package|bench-model)  # a fresh process with nvcc off PATH and without the CUTLASS wheel
       NOCUDA_PATH=$(echo "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd:)
       SITE2=$(mktemp -d)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE2" \
         $(ls .whl/*.whl | grep -v -i cutlass) || exit 1
-      args=(runs/dist); [[ $step == check-package ]] && args+=(--layers "${CHECK_LAYERS:-4096x4096,14336x4096}")
+      args=(runs/dist); [[ $step == check-package ]] && args=(runs/forced --layers "${CHECK_LAYERS:-4096x4096,14336x4096}")
       [[ $step == bench-model ]] && args+=(--layers "${MODEL_LAYERS:-2}" --repeats "${MODEL_REPEATS:-10}")
       env -u CUDA_HOME -u HGEMM_TUNE_CACHE PATH="$NOCUDA_PATH" PYTHONPATH="$SITE2:$PWD" \
-        timeout "$(cap 300)" python3 -m tuner.cli "$step" "${args[@]}" -o "$OUT/$step.json" 2>&1 \
+        timeout "$(cap 300)" python3 -m tuner.cli "$step" "${args[@]}" 2>&1 \
         | tee "$OUT/$step.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -150,14 +150,6 @@ class RegimeReport:
         known["regime"] = canonical_or_none(known.get("regime", regime)) or regime
         return cls(**known)
 
-    def renamed(self, names: dict[str, str]) -> RegimeReport:
-        """The report with contenders renamed (worker-side names -> the caller's)."""
-        def re(d: dict) -> dict:
-            return {names.get(k, k): v for k, v in d.items()}
-        return RegimeReport(self.regime, self.rounds, self.warmup_rounds, self.steady, self.steady_after,
-                            self.window, self.tol, re(self.spread), re(self.launches), re(self.energy_mj),
-                            self.energy_note)
-
 
 def steady_text(report: dict[str, Any] | RegimeReport | None) -> str:
     """One cell: "yes (9 rounds)", "NO (60 rounds)", "unknown"."""

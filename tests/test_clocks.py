@@ -17,6 +17,7 @@ from rich.console import Console
 from tuner.measure import ReplayBackend, clocks, timing
 from tuner.measure.backend import EvalRequest, LaunchSpec, Measurement
 from tuner.measure.protocol import CompareReply, decode_reply
+from tuner.measure.regimes import RegimeReport
 from tuner.measure.replay import record_baseline, record_measurement
 from tuner.results import bench as bm
 from tuner.space import parse_shape
@@ -265,6 +266,9 @@ class FakeSampler:
         self.log.append(("stop", gemms))
         return self.result
 
+    def energy_mj(self):
+        return None  # a card without an energy counter
+
     def quiet(self):
         sampler = self
 
@@ -285,16 +289,20 @@ def test_timing_sections_are_sampled(monkeypatch):
     monkeypatch.setattr(timing, "_idle", lambda s: None)
     stream, sampler = _Stream(), FakeSampler()
     contenders = {"ours": _contender("ours", 0.010), "cublas": _contender("cublas", 0.020)}
-    times = timing.time_graphs(contenders, None, stream, random.Random(1), sampler=sampler)
+    times, report = timing.time_sustained(contenders, None, stream, random.Random(1), sampler=sampler)
     assert times == pytest.approx({"ours": 10.0, "cublas": 20.0})
-    # graphs of 300 and 150 launches (3 ms each), 7 replays each: every launch of the section counts
+    # graphs of 300 and 150 launches (3 ms each), slices of 7 replays (about 20 ms): the section is the
+    # timed rounds (8: steady at the minimum) and the one slice already queued when they stopped
     assert sampler.log[0] == "start" and len(sampler.log) == 2 and sampler.log[1][0] == "stop"
-    gemms = sampler.log[1][1]
-    assert gemms % timing.REPLAYS == 0 and 440 <= gemms // timing.REPLAYS <= 450
-    # the section is the timed replays only: the sampler starts after the graphs are built and warmed up
+    launches = report.launches
+    assert report.rounds == 8 and launches["ours"] == 8 * 7 * 300 and launches["cublas"] in (8 * 7 * 149, 8 * 7 * 150)
+    assert sampler.log[1][1] - sum(launches.values()) in (launches["ours"] // 8, launches["cublas"] // 8)
+    # without an energy counter no contender has an energy, and the report says why
+    assert report.energy_mj == {"ours": None, "cublas": None} and "no energy counter" in report.energy_note
+    # the section is the timed launches only: the sampler starts after the set-up and the warm-up rounds
     server = FakeSampler()
-    timing.time_server(contenders, None, _Stream(), random.Random(0), launches=20, flush=lambda s: None,
-                       sampler=server)
+    timing.time_isolated(contenders, None, _Stream(), random.Random(0), launches=20, flush=lambda s: None,
+                         sampler=server)
     assert server.log[0] == "start" and server.log[-1] == ("stop", None)
     assert server.log.count("quiet") == server.log.count("loud") == 40
 
@@ -316,7 +324,8 @@ def _clock_record(i: int) -> dict:
 
 @pytest.fixture
 def clocked_replay(tmp_path):
-    """The H200 replay file rewritten through record_measurement with a clock record on each."""
+    """The H200 replay file rewritten through record_measurement with a clock record and a
+    sustained-regime report on each (synthetic, for the tables: steady after 5 + i % 4 rounds)."""
     path = tmp_path / "clocked.jsonl"
     lines = [json.loads(x) for x in REPLAY.read_text().splitlines() if x.strip()]
     for i, rec in enumerate(lines):
@@ -325,6 +334,8 @@ def clocked_replay(tmp_path):
             continue
         m = Measurement(**rec["measurement"])
         m.clocks = _clock_record(i)
+        m.regime = RegimeReport("sustained", rounds=5 + i % 4, warmup_rounds=2, steady=True, steady_after=5 + i % 4,
+                                window=4, tol=0.03).to_dict()
         record_measurement(path, EvalRequest(rec["family"], rec["config"], SHAPE, None, LaunchSpec(), []), m)
     return path
 
@@ -347,6 +358,11 @@ def test_replay_carries_clock_records_through_a_tune(space, clocked_replay, tmp_
     rows = [ln for ln in text.splitlines() if "cute_sm80" in ln or "wmma" in ln]
     assert "clock regime" in text and rows and clocks.regime_text(rec.clocks) in text
     assert all("MHz" in ln and "unknown" not in ln for ln in rows), rows  # every row has its regime
+    # ... and its timing's steady state, as recorded, into the record and the export
+    assert rec.objective == "sustained" and rec.regime_report["steady"] is True
+    assert all("yes (" in ln and " rounds)" in ln for ln in rows), rows
+    assert entry["objective"] == "sustained" and entry["steady_state"]["steady"] is True
+    assert entry["steady_state"]["steady_after"] == rec.regime_report["steady_after"]
 
 
 def test_older_replay_files_load_and_say_unknown(space, tmp_path):
@@ -382,17 +398,26 @@ def test_a_replay_record_with_bad_clocks_is_refused(tmp_path):
 
 # ---- bench: the clock columns are there, and "unknown" where there is no record ---------------
 
-CAPPED_REC = clocks.summarize(_w(CAPPED[1:]), seconds=0.1, energy_j=69.45, gemms=2778, mode="offline")
+CAPPED_REC = clocks.summarize(_w(CAPPED[1:]), seconds=0.1, energy_j=69.45, gemms=2778, mode="sustained")
 SERVER_REC = clocks.summarize(_w([(1965, 2619, 410_000, 50, 0)] * 4), seconds=0.4, energy_j=164.0, gemms=None,
-                              mode="server")
+                              mode="isolated")
+# Synthetic regime reports (what a worker of protocol 5 sends): sustained settled after 11 rounds
+# with each contender's own energy; isolated did not settle in its 100 rounds.
+SUSTAINED_REP = RegimeReport("sustained", rounds=11, warmup_rounds=3, steady=True, steady_after=11, window=5, tol=0.02,
+                             spread={"ours0": 0.004, "cublas": 0.012}, launches={"ours0": 1100, "cublas": 2200},
+                             energy_mj={"ours0": 31.5, "cublas": 18.5}).to_dict()
+ISOLATED_REP = RegimeReport("isolated", rounds=100, warmup_rounds=3, steady=False, window=4, tol=0.05,
+                            spread={"ours0": 0.08, "cublas": 0.02}, launches={"ours0": 100, "cublas": 100},
+                            energy_note="single launches after idle gaps: no energy per GEMM").to_dict()
 
 
 def _clock_replies():
     from test_benchmark import A, B, ok_reply
 
-    a = ok_reply({"offline": {"ours0": 10.0, "cublas": 5.0}, "server": {"ours0": 20.0, "cublas": 30.0}})
-    a.clocks, a.clocks_by_mode = CAPPED_REC, {"offline": CAPPED_REC, "server": SERVER_REC}
-    # an older worker's reply: no clock record at all
+    a = ok_reply({"sustained": {"ours0": 10.0, "cublas": 5.0}, "isolated": {"ours0": 20.0, "cublas": 30.0}})
+    a.clocks, a.clocks_by_mode = CAPPED_REC, {"sustained": CAPPED_REC, "isolated": SERVER_REC}
+    a.regimes_by_mode = {"sustained": SUSTAINED_REP, "isolated": ISOLATED_REP}
+    # an older worker's reply (protocol 4): offline and server, no clock record, no regime report
     b = {"status": "ok", "modes": ["offline", "server"], "times": {"ours0": 8.0, "cublas": 10.0},
          "times_by_mode": {"offline": {"ours0": 8.0, "cublas": 10.0}, "server": {"ours0": 16.0, "cublas": 20.0}},
          "verify": {"ours0": {"ok": True}}, "notes": {}}
@@ -404,38 +429,63 @@ def clock_result():
     from test_benchmark import A, B, FakeBackend, FakeBuilder, make_entry, make_export
 
     data = make_export([make_entry(A), make_entry(B)])
-    return bm.run_benchmark(data, FakeBackend(_clock_replies()), FakeBuilder(), ["offline", "server"])
+    return bm.run_benchmark(data, FakeBackend(_clock_replies()), FakeBuilder(), ["sustained", "isolated"])
 
 
 def test_bench_rows_markdown_and_csv_carry_the_clock_regime(clock_result, tmp_path):
     from test_benchmark import A, B
 
     rows = {(r["shape"], r["mode"]): r for r in clock_result["rows"]}
-    a = rows[(A, "offline")]
+    a = rows[(A, "sustained")]
     assert (a["sm_mhz_median"], a["sm_mhz_min"], a["regime"]) == (1560.0, 1365, "power-capped")
     assert a["power_w"] == pytest.approx(694.5) and a["energy_per_gemm_mj"] == pytest.approx(25.0)
     assert a["clocks"] == CAPPED_REC
-    s = rows[(A, "server")]
+    assert (a["steady"], a["steady_after"], a["steady_runs"], a["ours_mj_per_gemm"]) == (True, 11, "1/1", 31.5)
+    s = rows[(A, "isolated")]
     assert s["regime"] == "full clocks" and s["energy_per_gemm_mj"] is None
-    for mode in ("offline", "server"):
+    assert s["steady"] is False and s["ours_mj_per_gemm"] is None
+    for mode in ("sustained", "isolated"):  # the older worker's offline and server rows, by their regimes
         assert rows[(B, mode)]["regime"] == "unknown" and rows[(B, mode)]["sm_mhz_median"] is None
+        assert rows[(B, mode)]["steady"] is None
 
     bm.write_outputs(clock_result, tmp_path, "best.json")
     md = (tmp_path / "bench.md").read_text()
-    header = next(ln for ln in md.splitlines() if ln.startswith("| shape |"))
-    for col in ("SM MHz med (min)", "power W", "clock regime", "mJ/GEMM (section)"):
+    header = next(ln for ln in md.splitlines() if ln.startswith("| shape | regime | family |"))
+    for col in ("regime", "SM MHz med (min)", "power W", "clock regime", "mJ/GEMM (section)", "steady"):
         assert f"| {col} |" in header + " |", header
-    assert "| yes | 1560 (1365) | 694 | power-capped | 25 |" in md
-    assert "| yes | 1965 (1965) | 410 | full clocks | - |" in md
-    assert f"| {B} | offline | wmma | 8.00 |" in md and "| yes | unknown | unknown | unknown | unknown |" in md
+    assert "| yes | 1560 (1365) | 694 | power-capped | 25 | yes (11 rounds) |" in md
+    assert "| yes | 1965 (1965) | 410 | full clocks | - | NO (100 rounds) |" in md
+    assert f"| {B} | sustained | wmma | 8.00 |" in md
+    assert "| yes | unknown | unknown | unknown | unknown | unknown |" in md
+    # per contender and regime: time, TFLOP/s, ratio, SM clock, power, own energy, steady state
+    head = next(ln for ln in md.splitlines() if ln.startswith("| shape | regime | contender |"))
+    for col in ("us", "TFLOP/s", "vs cuBLAS", "SM MHz med (min)", "power W", "clock regime", "mJ/GEMM (own)",
+                "steady"):
+        assert f"| {col} |" in head + " |", head
+    assert (f"| {A} | sustained | ours (wmma) | 10.00 | 214.7 | 0.500 | 1560 (1365) | 694 | power-capped | 31.5 "
+            "| 0.40 | yes (11 rounds) |") in md
+    assert (f"| {A} | sustained | cuBLAS | 5.00 | 429.5 | 1.000 | 1560 (1365) | 694 | power-capped | 18.5 "
+            "| 1.20 | yes (11 rounds) |") in md
+    assert f"| {A} | isolated | cuBLAS | 30.00 | 71.6 | 1.000 | 1965 (1965) | 410 | full clocks | - | 2.00 | NO " in md
+    assert f"| {B} | isolated | ours (wmma) | 16.00 |" in md
+    assert "| unknown | unknown | unknown | - | - | unknown |" in md
     with open(tmp_path / "bench.csv") as fh:
         csv_rows = list(csv.DictReader(fh))
-    for field in ("sm_mhz_median", "sm_mhz_min", "power_w", "regime", "energy_per_gemm_mj"):
+    for field in ("sm_mhz_median", "sm_mhz_min", "power_w", "regime", "energy_per_gemm_mj", "steady",
+                  "steady_after", "ours_mj_per_gemm"):
         assert field in csv_rows[0], field
     got = {(r["shape"], r["mode"]): r for r in csv_rows}
-    assert got[(A, "offline")]["regime"] == "power-capped" and got[(A, "offline")]["sm_mhz_min"] == "1365"
-    assert got[(B, "server")]["regime"] == "unknown" and got[(B, "server")]["sm_mhz_median"] == ""
-    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["clocks"]["available"] in (True, False)
+    assert got[(A, "sustained")]["regime"] == "power-capped" and got[(A, "sustained")]["sm_mhz_min"] == "1365"
+    assert got[(A, "sustained")]["steady"] == "True" and got[(A, "sustained")]["steady_after"] == "11"
+    assert got[(B, "isolated")]["regime"] == "unknown" and got[(B, "isolated")]["sm_mhz_median"] == ""
+    with open(tmp_path / "bench_contenders.csv") as fh:
+        contenders = list(csv.DictReader(fh))
+    assert list(contenders[0]) == bm.CONTENDER_FIELDS
+    lt = {(c["shape"], c["mode"], c["contender"]): c for c in contenders}
+    assert lt[(A, "sustained", "cuBLAS")]["mj_per_gemm"] == "18.5" and lt[(A, "sustained", "cuBLAS")]["power_w"]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["rows"][0]["clocks"]["available"] in (True, False)
+    assert data["rows"][0]["regime_report"]["regime"] in ("sustained", "isolated") and data["contenders"]
 
 
 def test_bench_repeats_with_mixed_regimes():
@@ -483,10 +533,19 @@ def test_bench_cli_table_prints_the_clock_columns(tmp_path, monkeypatch):
     text = res.output
     for col in ("SM MHz med (min)", "power W", "clock regime", "mJ/GEMM (section)"):
         assert col in text, text
-    line_a = next(ln for ln in text.splitlines() if A in ln and "offline" in ln and "wmma" in ln)
+    line_a = next(ln for ln in text.splitlines() if A in ln and "sustained" in ln and "wmma" in ln
+                  and "ours" not in ln)
     assert "1560 (1365)" in line_a and "694" in line_a and "power-capped" in line_a and "25" in line_a
-    line_b = next(ln for ln in text.splitlines() if B in ln and "offline" in ln and "wmma" in ln)
-    assert line_b.count("unknown") == 4, line_b
+    assert "yes (11 rounds)" in line_a, line_a
+    line_b = next(ln for ln in text.splitlines() if B in ln and "sustained" in ln and "wmma" in ln
+                  and "ours" not in ln)
+    assert line_b.count("unknown") == 5, line_b  # four clock columns and steady
+    # the table per contender and regime, with its clock, power, energy and steady columns
+    assert "per contender and regime" in text
+    for col in ("contender", "vs cuBLAS", "mJ/GEMM (own)", "steady"):
+        assert col in text, text
+    cublas = next(ln for ln in text.splitlines() if A in ln and "sustained" in ln and "cuBLAS" in ln)
+    assert "1.000" in cublas and "1560 (1365)" in cublas and "power-capped" in cublas and "18.5" in cublas, cublas
 
 
 def test_the_pci_bus_id_comes_from_cupy(monkeypatch):

@@ -124,8 +124,9 @@ class ScriptedBackend:
     def restart(self):
         self.restarts += 1
 
-    def compare(self, shape, candidates, torch=True):
+    def compare(self, shape, candidates, torch=True, modes=None):
         assert shape == SHAPE and torch is False
+        assert modes == ["sustained"]  # confirmed in the regime the study minimized
         for cand in candidates.values():
             assert Path(cand.binary).is_file() and cand.launch.artifact == "cubin"
         self.seen.append(sorted(candidates))
@@ -180,6 +181,8 @@ def test_confirm_builds_retimes_and_export_takes_the_winner(space, study, cubins
     assert e["trial"] == top[1].number and e["time_us"] == pytest.approx(501.0)
     assert e["speedup"]["cublas"] == pytest.approx(450.0 / 501.0) and e["pick"] == "cublas"
     assert e["confirm"]["runs"] == 3 and e["confirm"]["in_study_us"] == pytest.approx(top[1].value)
+    # the objective the study minimized; these scripted runs sent no regime report: steady unknown
+    assert e["objective"] == "sustained" and e["steady_state"]["steady"] is None and e["steady_state"]["runs"] == 3
     write_json(data, tmp_path / "best.json")  # the schema takes the confirm record
 
     # A faster trial after the confirmation: it no longer holds, the in-study best is exported.

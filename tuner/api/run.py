@@ -14,12 +14,14 @@ import optuna
 from tuner.build import CompilePool, cutlass_include, nvcc_path
 from tuner.errors import UserError
 from tuner.measure import Backend, CompareReply, GpuBackend, ReplayBackend
+from tuner.measure.regimes import SUSTAINED
 from tuner.search import (
     INTERRUPTS,
     SAMPLERS,
     Progress,
     TrialRecord,
     check_accumulate,
+    check_objective,
 )
 from tuner.space import ACCUMULATE, Shape, Space, Target
 
@@ -49,6 +51,8 @@ class Options:
     confirm_runs: int = 3
     runs_dir: Path = Path("runs")       # exports, worker logs
     catalogue: Path | None = None       # a kernel catalogue: checked, loaded into the compile cache, tried first
+    # The timing regime whose time the search minimizes (sustained, isolated); None: a joined study's own.
+    objective: str | None = SUSTAINED
 
     def check(self) -> None:
         """Every input checked before any work: one clear error, never a traceback minutes in."""
@@ -60,6 +64,8 @@ class Options:
             raise UserError(f"unknown backend {self.backend!r}: use gpu or replay")
         if self.backend == "replay" and self.replay is None:
             raise UserError("--backend replay needs --replay FILE (a file of recorded GPU measurements)")
+        if self.objective is not None:  # an older name (offline, server) becomes the regime's
+            self.objective = check_objective(self.objective)
         if self.trials < 0 or self.confirm_top < 0 or self.confirm_runs < 1:
             raise UserError("--trials and --confirm must be >= 0 and --confirm-runs >= 1")
 

@@ -26,6 +26,7 @@ from tuner.build import CompilePool
 from tuner.build.catalogue import Catalogue, open_catalogue
 from tuner.errors import UserError
 from tuner.measure import Backend, record_baseline, record_measurement
+from tuner.measure.regimes import SUSTAINED
 from tuner.results import check_output, write_export
 from tuner.results.export import export_studies
 from tuner.search import (
@@ -57,9 +58,10 @@ def _search(space: Space, fams: list[str], shape: Shape, be: Backend, pool: Comp
             timeout_s: float | None = None, catalogue: Catalogue | None = None) -> optuna.Study:
     """One study's search in this process, with its cuBLAS baseline measured first. A fresh
     study tries the catalogue's configs of its families first (their builds cost no nvcc)."""
-    baselines = be.baseline(shape, opts.accumulate)
+    objective = opts.objective or SUSTAINED
+    baselines = be.baseline(shape, opts.accumulate, objective)
     if record and not be.simulated:  # a replayed baseline is not a measurement
-        record_baseline(record, shape, baselines, opts.accumulate)
+        record_baseline(record, shape, baselines, opts.accumulate, objective)
     listener.started(shape, baselines, be.name, fams, opts.accumulate)
     listener.search(label, trials)
     recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
@@ -71,7 +73,7 @@ def _search(space: Space, fams: list[str], shape: Shape, be: Backend, pool: Comp
     search = Search(space, fams, shape, be, trials=trials, storage=opts.storage, sampler=opts.sampler, name=name,
                     seed=opts.seed, pool=pool, eval_timeout_s=hang_timeout_s(baselines["cublas"]),
                     recorder=recorder, warm_start=warm_start, patience=patience, accumulate=opts.accumulate,
-                    catalogue=held)
+                    catalogue=held, objective=objective)
     return search.run(timeout_s, listener.trial)
 
 
@@ -117,7 +119,8 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
     opts.check()
     space = load_space(opts.space_file)
     _, be, fams, cat = _start(space, opts, output)
-    name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=opts.accumulate)
+    name = study or study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=opts.accumulate,
+                               objective=opts.objective or SUSTAINED)
     before = measured_so_far(name, opts.storage)
     started = time.perf_counter()
     with measuring(be, opts.jobs) as pool:
@@ -163,6 +166,7 @@ def worker_args(opts: Options) -> list[str]:
     args += ["--replay", str(opts.replay)] if opts.replay else []
     args += ["--record", str(opts.record)] if opts.record else []
     args += ["--timeout", str(opts.timeout_s)] if opts.timeout_s else []
+    args += ["--objective", opts.objective or SUSTAINED]
     return args
 
 
@@ -183,9 +187,12 @@ def join_study(study: str, opts: Options, listener: Listener | None = None) -> o
     space = load_space(opts.space_file)
     opts.runs_dir.mkdir(parents=True, exist_ok=True)
     log = opts.runs_dir / f"gpu-worker-{opts.gpu if opts.gpu is not None else 'main'}.log"
-    be = make_backend(replace(opts, accumulate=meta.accumulate), log)
+    # A worker measures as the study does: its accumulation, and its objective unless --objective
+    # names another (which the search refuses: one study never ranks two regimes' times).
+    opts = replace(opts, accumulate=meta.accumulate, objective=opts.objective or meta.objective)
+    be = make_backend(opts, log)
     with measuring(be, opts.jobs) as pool:
-        return _search(space, meta.families, meta.shape_record, be, pool, replace(opts, accumulate=meta.accumulate),
+        return _search(space, meta.families, meta.shape_record, be, pool, opts,
                        listener, name=study, trials=opts.trials or meta.trials_target, record=opts.record,
                        label=f"worker {be.name}", timeout_s=opts.timeout_s)
 
@@ -215,7 +222,8 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
             if deadline and time.perf_counter() > deadline:
                 break
             listener.sweep_shape(i, len(todo), shp)
-            name = study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=opts.accumulate)
+            name = study_name(shp, [space.family(f) for f in fams], be.target.arch, accumulate=opts.accumulate,
+                              objective=opts.objective or SUSTAINED)
             st = existing_study(name, backing)  # created by the search only: a skipped shape leaves no study
             if st is not None and max(evaluated_trials(st), sweep_done_trials(st)) >= opts.trials:
                 confirm_best(space, st, be, pool, opts, listener)  # unless it holds

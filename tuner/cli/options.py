@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tuner.api import DEFAULT_STORAGE
+from tuner.measure.regimes import SUSTAINED_BENCH as _SP
 
 Storage = Annotated[str, typer.Option("--storage", help="Optuna storage: sqlite:///F, postgresql://..., journal:F.")]
 SpaceFile = Annotated[Path | None, typer.Option(
@@ -43,6 +44,23 @@ CatalogueOut = Annotated[Path, typer.Option("-o", "--output", help="The catalogu
                                                                   "it exists, its kernels are kept, not rebuilt.")]
 Update = Annotated[Path | None, typer.Option(
     "--update", help="An existing catalogue to extend: its kernels are kept, only configs it lacks are compiled.")]
+Objective = Annotated[str, typer.Option(
+    "--objective", help="The time the search minimizes, in one of two timing regimes (docs/decisions/0036): "
+                        "sustained = back-to-back launches in interleaved slices until steady, the power-capped "
+                        "state a busy service runs in; isolated = single launches, each after an L2 flush and an idle "
+                        "gap, at full clocks (the latency of one cold GEMM). A study minimizes one regime's time: "
+                        "an isolated study is its own study (its name ends in -isolated). offline and server are "
+                        "accepted as their older names.")]
+JoinObjective = Annotated[str | None, typer.Option(
+    "--objective", help="The study's objective (sustained or isolated; default: the one the study was created "
+                        "with). A worker never measures a study in another regime: naming another is an error.")]
+Modes = Annotated[str, typer.Option(
+    "--mode", "-m",
+    help="Timing regimes (docs/decisions/0036): sustained = per contender a CUDA graph of back-to-back launches, "
+         f"replayed in ~{_SP.slice_ms:g} ms slices round-robin over all contenders (reshuffled each round, equal "
+         f"warm-up) until {_SP.window} rounds agree within {100 * _SP.tol:g}%: the power-capped steady state, host "
+         "overhead excluded; isolated = single launches, each after an L2 flush and a random 20-500 us idle gap, "
+         "interleaved per launch: cold, full clocks; both. offline and server are accepted as their older names.")]
 Shape = Annotated[str, typer.Option("--shape", "-s", help="MxNxK, e.g. 4096x4096x8192 (A: MxK, B: NxK, C: MxN).")]
 Study = Annotated[str | None, typer.Option("--study", help="Study name (see `hgemm-tune studies`).")]
 

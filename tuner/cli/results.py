@@ -60,16 +60,19 @@ BENCH_HELP = (
     "For each shape of the export that was tuned on this GPU: rebuild the kernel from its template and "
     "knobs, verify it again (exact 0/1 inputs, random inputs against cuBLAS's own error, fp32 accumulation, "
     "NaN-poisoned output, guard bands), then time it with cuBLAS (cublasGemmEx), cuBLASLt (heuristic pick, "
-    "and autotuned over its top 16) and torch.matmul (when torch is installed), interleaved in random order "
-    "in one worker process, in each --mode. With --repeats R, R such runs per shape, each in a fresh worker "
-    "process: median times, the median of the per-run ratios and their range.\n\n"
-    "Writes, per shape and mode: our us, TFLOP/s, % of roofline, every baseline's us, the speedup over each "
+    "and autotuned over its top 16) and torch.matmul (when torch is installed), all interleaved in one worker "
+    "process in the same thermal and power state, in each --mode (timing regime: sustained, isolated or both). "
+    "With --repeats R, R such runs per shape, each in a fresh worker process: median times, the median of the "
+    "per-run ratios and their range.\n\n"
+    "Writes, per shape and regime: our us, TFLOP/s, % of roofline, every baseline's us, the speedup over each "
     "(baseline us / ours us), the clock regime it was timed in (SM MHz median and minimum, power, regime: "
-    "power-capped, thermal, full clocks or unknown, and the section's energy per GEMM) and whether it "
-    "verified; then the geomean speedup per baseline and mode "
-    "(bench.csv, bench_geomean.csv, bench.md, bench.json under --out). A kernel that fails verification is "
-    "a row saying why, never a win; a baseline that cannot be measured is named in the notes; entries tuned "
-    "on another GPU are skipped and listed.\n\n"
+    "power-capped, thermal, full clocks or unknown, and the section's energy per GEMM), whether the timing "
+    "reached its steady state (after how many rounds) and whether it verified; per contender and regime: "
+    "time, TFLOP/s, ratio to cuBLAS, SM clock, power, its own energy per GEMM (sustained, where the energy "
+    "counter resolves it) and steady state; then the geomean speedup per baseline and regime "
+    "(bench.csv, bench_contenders.csv, bench_geomean.csv, bench.md, bench.json under --out). A kernel that "
+    "fails verification is a row saying why, never a win; a baseline that cannot be measured is named in the "
+    "notes; entries tuned on another GPU are skipped and listed.\n\n"
     "Example: [bold]hgemm-tune bench runs/sweep.json --mode both --repeats 3 --out runs/bench[/]\n\n"
     "Exit code 0 when every kernel verified and was timed, 1 when some did not, 2 for bad input (missing "
     "or invalid JSON, no entry for this GPU, no GPU, no nvcc)."
@@ -80,9 +83,7 @@ def bench(
     export_file: Annotated[Path, typer.Argument(
         metavar="EXPORT_JSON", help="Export to re-measure: the JSON of `hgemm-tune export`, `sweep -o` or "
                                     "`tune -o` (validated against tuner/results/export_schema.json).")],
-    mode: Annotated[str, typer.Option("--mode", "-m", help="offline: CUDA graph of back-to-back launches "
-                                      "(throughput, host overhead excluded); server: single launches, each after an "
-                                      "L2 flush and a random 20-500 us idle gap (cold, from idle); both.")] = "both",
+    mode: o.Modes = "both",
     repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Runs per shape, each in a fresh worker "
                                                                         "process (median and range).")] = 1,
     out: Annotated[Path, typer.Option("--out", help="Folder for bench.csv, bench_geomean.csv, bench.md and "
@@ -124,16 +125,17 @@ def bench(
             bar.stop()
     runs = f", {repeats} runs each" if repeats > 1 else ""
     table = Table(title=f"bench on {result['gpu']} ({result['arch']}){runs}: vs X = X us / ours us")
-    for col in ("shape", "mode", "family", "ours us", "TFLOP/s", "cuBLAS us",
-                *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), *bm.CLOCK_HEAD, "verified"):
-        table.add_column(col, justify="left" if col in ("shape", "mode", "family", "verified", "clock regime")
-                         else "right")
+    for col in ("shape", "regime", "family", "ours us", "TFLOP/s", "cuBLAS us",
+                *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), *bm.CLOCK_HEAD, "steady", "verified"):
+        table.add_column(col, justify="left" if col in ("shape", "regime", "family", "verified", "clock regime",
+                                                        "steady") else "right")
     for r in result["rows"]:
         verified = "yes" if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r['reason']))}"
         table.add_row(r["shape"], r["mode"], r["family"], fmt(r["ours_us"], ".2f"), fmt(r["ours_tflops"], ".1f"),
                       fmt(r["cublas_us"], ".2f"), *(bm._speedup_cell(r, b) for b in bm.BASELINES),
-                      *(escape(c) for c in bm.clock_texts(r)), verified)
+                      *(escape(c) for c in bm.clock_texts(r)), escape(bm.steady_cell(r)), verified)
     out_console.print(table)
+    out_console.print(contender_table(result["contenders"], runs))
     geo = Table("baseline", *modes, title="geomean speedup (baseline us / ours us)")
     by = {(g["mode"], g["baseline"]): g for g in result["geomeans"]}
     for b in bm.BASELINES:
@@ -149,6 +151,21 @@ def bench(
     if any(r["status"] != "ok" for r in result["rows"]):
         console.print("[red]some kernels did not verify or were not timed[/] (see the verified column)")
         raise typer.Exit(1)
+
+
+def contender_table(contenders: list[dict], runs: str = "") -> Table:
+    """Per shape, regime and contender: time, TFLOP/s, ratio to cuBLAS, the section's SM clock and
+    power (one section per shape and regime: the same for every contender), its own energy per
+    GEMM, the spread of its rounds and whether the timing settled."""
+    from tuner.results import bench as bm
+
+    table = Table(title=f"per contender and regime{runs}: vs cuBLAS = cuBLAS us / its us")
+    for col in bm.CONTENDER_HEAD:
+        table.add_column(col, justify="left" if col in ("shape", "regime", "contender", "clock regime", "steady")
+                         else "right")
+    for c in contenders:
+        table.add_row(*(escape(x) for x in bm.contender_texts(c)))
+    return table
 
 
 def prebuild(

@@ -13,6 +13,7 @@ from tuner import api
 from tuner.cli import options as o
 from tuner.cli.views import CliListener, console, fmt, out_console, summary_table
 from tuner.measure.clocks import regime_text
+from tuner.measure.regimes import steady_text
 
 
 def _interrupted(hint: str) -> typer.Exit:
@@ -46,13 +47,14 @@ def tune(
     confirm: o.Confirm = 3,
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
+    objective: o.Objective = "sustained",
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; confirm the best few
     in fresh runs; export the winner as JSON."""
     opts = api.Options(trials=trials, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, timeout_s=timeout, backend=backend, replay=replay, arch=arch,
                        gpu=gpu, jobs=jobs, record=record, accumulate=accumulate, confirm_top=confirm,
-                       confirm_runs=confirm_runs, catalogue=catalogue)
+                       confirm_runs=confirm_runs, catalogue=catalogue, objective=objective)
     try:
         with CliListener() as listener:
             res = api.tune_shape(shape, opts, listener, study=study, output=output, workers=workers)
@@ -86,13 +88,14 @@ def worker(
     timeout: o.Timeout = None,
     record: o.Record = None,
     space_file: o.SpaceFile = None,
+    objective: o.JoinObjective = None,
 ) -> None:
     """Join a study as one more worker: ask, compile, measure, tell, until the study is full."""
     from tuner.search import measured_trials
 
     opts = api.Options(trials=trials or 0, storage=storage, space_file=space_file, sampler=sampler,
                        timeout_s=timeout, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
-                       record=record)
+                       record=record, objective=objective)
     try:
         with CliListener() as listener:
             st = api.join_study(study, opts, listener)
@@ -126,6 +129,7 @@ def sweep(
     confirm: o.Confirm = 3,
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
+    objective: o.Objective = "sustained",
 ) -> None:
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable;
     confirm each shape's best few in fresh runs."""
@@ -134,7 +138,8 @@ def sweep(
 
     opts = api.Options(trials=trials_per_shape, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
-                       accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs, catalogue=catalogue)
+                       accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs, catalogue=catalogue,
+                       objective=objective)
     try:
         with CliListener(sweep=True) as listener:
             res = api.sweep(opts, shapes, time_per_shape=time_per_shape,
@@ -144,8 +149,9 @@ def sweep(
     # The export's pick: our kernel only where it beat the vendor library, else cuBLAS.
     picks = {e.get("shape"): e.get("pick") for e in res.export["entries"]}
     exported = {e["study"]: e for e in res.export["entries"]}
-    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "clock regime", "pick", "trials",
-                  "confirmed", title="sweep" + ("  [SIMULATED]" if backend == "replay" else ""))
+    table = Table("shape", "best family", "us", "TFLOP/s", "cuBLAS us", "vs cuBLAS", "clock regime", "steady", "pick",
+                  "trials", "confirmed", title=f"sweep, {opts.objective} time" + ("  [SIMULATED]" if backend == "replay"
+                                                                                  else ""))
     for st in res.studies:
         e = exported.get(st.study_name, {})
         shp = study_shape(st) or "?"
@@ -153,7 +159,8 @@ def sweep(
         table.add_row(shp, e.get("family", "-"), fmt(e.get("time_us"), ".2f"), fmt(e.get("tflops"), ".1f"),
                       fmt(e.get("baselines_us", {}).get("cublas"), ".2f"),
                       fmt(e.get("speedup", {}).get("cublas"), ".3f"),
-                      escape(regime_text(e.get("clocks"))) if e else "-", str(picks.get(shp, "-")),
+                      escape(regime_text(e.get("clocks"))) if e else "-",
+                      steady_text(e.get("steady_state")) if e else "-", str(picks.get(shp, "-")),
                       str(measured_trials(st)),
                       "-" if not conf else (f"{conf['runs']} runs" if conf["verified"] else "[red]failed[/]"))
     out_console.print(table)

@@ -15,6 +15,7 @@ from rich.table import Table
 from tuner.api import Listener
 from tuner.measure import CompareReply
 from tuner.measure.clocks import combine, regime_text
+from tuner.measure.regimes import steady_text
 from tuner.search import Progress as SearchProgress
 from tuner.search import StudyMeta, TrialRecord, best_per_family, study_stats
 from tuner.space import Shape
@@ -132,17 +133,18 @@ def summary_table(study: optuna.Study) -> Table:
     meta = StudyMeta.of(study)
     shape, target = meta.shape_record, meta.target_record
     roof = target.roofline_us(shape.flops, shape.min_bytes)
-    title = f"{shape} on {target.name} ({target.arch})" + ("  [SIMULATED: replayed measurements]"
-                                                          if meta.simulated else "")
+    title = f"{shape} on {target.name} ({target.arch}), {meta.objective} time" + (
+        "  [SIMULATED: replayed measurements]" if meta.simulated else "")
     table = Table(title=title)
     for col in ("family", "trial", "time us", "TFLOP/s", "% roofline", "cuBLAS us", "vs cuBLAS", "clock regime",
-                "config"):
-        table.add_column(col, justify="right" if col not in ("family", "clock regime", "config") else "left")
+                "steady", "config"):
+        table.add_column(col, justify="right" if col not in ("family", "clock regime", "steady", "config") else "left")
     for t in sorted(best_per_family(study).values(), key=lambda t: t.value):
         a = TrialRecord.of(t)
         table.add_row(a.family, str(t.number), fmt(t.value, ".2f"), fmt(a.tflops, ".1f"),
                       fmt(100 * roof / t.value, ".1f"), fmt(a.cublas_us, ".2f"), fmt(a.speedup_cublas, ".3f") + "x",
-                      escape(regime_text(a.clocks)), json.dumps(a.kernel, separators=(",", ":")))
+                      escape(regime_text(a.clocks)), steady_text(a.regime_report or None),
+                      json.dumps(a.kernel, separators=(",", ":")))
     stats = study_stats(study)
     table.caption = (f"{stats['trials']} trials measured, {stats['ok']} verified, "
                      f"{stats['invalid_rejected']} rejected before nvcc, {stats['duplicates']} duplicates; "
@@ -152,5 +154,6 @@ def summary_table(study: optuna.Study) -> Table:
                         if stats["not_recorded"] else "")
                      + (f"; {stats['other_gpu']} verified trials measured on another GPU model are not ranked"
                         if stats["other_gpu"] else "")
-                     + "; clock regime: the SM clock's regime while the trial was timed (unknown: not recorded)")
+                     + "; clock regime: the SM clock's regime while the trial was timed (unknown: not recorded); "
+                     "steady: whether its timing settled, after how many rounds (tuner.measure.regimes)")
     return table

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from tuner.measure.protocol import CandidateSpec, LaunchSpec
+from tuner.measure.regimes import SUSTAINED
 from tuner.space import Family, Shape, Target
 
 
@@ -25,7 +26,7 @@ class EvalRequest:
     variants: list[dict[str, Any]]  # run-time knob combinations to time
     accumulate: str = "fp32"        # fp16: verified and timed against cuBLAS in fp16 compute mode
     digest: str | None = None       # the binary's sha256 when it was built (checked before it is loaded)
-
+    mode: str = SUSTAINED           # the timing regime (tuner.measure.regimes): the search's objective
 
 
 @dataclass
@@ -42,6 +43,9 @@ class Measurement:
     gpu_state: dict[str, Any] = field(default_factory=dict)  # SM clock / power / temperature after timing
     # The clock regime while it was timed (tuner.measure.clocks record); {} from older replay files.
     clocks: dict[str, Any] = field(default_factory=dict)
+    mode: str = SUSTAINED           # the timing regime of times_us and baselines_us
+    # How that regime's timing went (RegimeReport.to_dict(): steady state, energy); {} when unknown.
+    regime: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -72,7 +76,7 @@ class Backend(Protocol):
     simulated: bool    # replayed measurements: labelled everywhere they appear
     needs_cubin: bool  # False: nothing is compiled (the replay backend answers by config)
 
-    def baseline(self, shape: Shape, accumulate: str = "fp32") -> dict[str, float]: ...
+    def baseline(self, shape: Shape, accumulate: str = "fp32", mode: str = SUSTAINED) -> dict[str, float]: ...
 
     def evaluate(self, req: EvalRequest, timeout_s: float = 60.0) -> Measurement: ...
 

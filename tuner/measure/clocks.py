@@ -5,7 +5,7 @@ Worker side: `ClockSampler` reads NVML (the `pynvml` module of the `nvidia-ml-py
 imported on first use) in a background thread every `interval_s` while a section of timing
 runs, and sums it up as one plain record (`ClockSampler.stop()`):
 
-    {"available": true, "mode": "offline", "samples": 41, "interval_ms": 15.0, "seconds": 0.62,
+    {"available": true, "mode": "sustained", "samples": 41, "interval_ms": 15.0, "seconds": 0.62,
      "sm_mhz_min": 1365, "sm_mhz_median": 1620, "sm_mhz_max": 1980, "mem_mhz_median": 2619,
      "power_w_median": 688.1, "power_w_max": 701.3, "power_limit_w": 700.0, "temp_c_max": 61,
      "reasons": {"sw_power_cap": 0.83, "gpu_idle": 0.02}, "busy_samples": 40,
@@ -23,10 +23,13 @@ share of the section's GPU time is energy x share = (mean power of the section) 
 time): it ranks the contenders exactly as their times do and cannot show a kernel that draws
 less power than another, while looking like a measurement of it; NVML's counter and power
 readings are too coarse (tens of ms) to resolve the ~3 ms graph replays of one contender. So
-the record gives the energy of the whole section and, in offline mode (back-to-back GEMMs
-only), the section's energy per GEMM over every contender's launches (`energy_per_gemm_mj`);
-in server mode the section also spends energy on the L2 flushes and idle gaps, so there is
-no energy per GEMM (None, with `energy_note` saying why).
+the record gives the energy of the whole section and, in the sustained regime (back-to-back
+GEMMs only), the section's energy per GEMM over every contender's launches
+(`energy_per_gemm_mj`); in the isolated regime the section also spends energy on the L2 flushes
+and idle gaps, so there is no energy per GEMM (None, with `energy_note` saying why). Each
+contender's own energy comes from the sustained regime's slices instead, where the counter
+is read at every slice boundary (`ClockSampler.energy_mj`, tuner.measure.timing): a slice
+holds one contender only, so its energy is that contender's, not a share by time.
 
 Parent side: `combine` sums up several runs' records (bench --repeats, confirmation runs),
 `regime_of` / `clock_cells` give what tables print; a missing record says "unknown".
@@ -201,8 +204,8 @@ class ClockSampler:
     """Samples the worker's GPU in a background thread between `start()` and `stop()`.
 
     Use one sampler per timing section. `quiet()` holds the sampler off for a few
-    microseconds (server mode wraps each timed launch in it, so that the sampler's Python never
-    runs between the events of a timed launch); offline mode needs nothing of the kind (its
+    microseconds (the isolated regime wraps each timed launch in it, so that the sampler's Python never
+    runs between the events of a timed launch); the sustained regime needs nothing of the kind (its
     launches are all enqueued ahead of the GPU). Nothing here raises: a sampler without NVML
     returns `{"available": false, "reason": ...}`.
     """
@@ -252,13 +255,23 @@ class ClockSampler:
         self._thread.start()
         return self
 
+    def energy_mj(self) -> float | None:
+        """The energy counter now (mJ), or None without one: the sustained regime reads it at
+        every slice boundary to give each contender its own energy (tuner.measure.timing)."""
+        if self._device is None:
+            return None
+        try:
+            return self._device.energy_mj()
+        except Exception:  # noqa: BLE001 - a failed read is a missing reading, never a failed section
+            return None
+
     def quiet(self):
         """A context in which no sample is taken (entered and left by the timing thread)."""
         return self._gate if self._thread is not None else contextlib.nullcontext()
 
     def stop(self, gemms: int | None = None) -> dict[str, Any]:
         """Stop sampling; the section's record (also kept as `result`). `gemms`: the GEMMs
-        launched in the section, where energy per GEMM means something (offline mode)."""
+        launched in the section, where energy per GEMM means something (the sustained regime)."""
         if self._device is None:
             return self.result
         if self._thread is not None:
@@ -319,7 +332,7 @@ def summarize(samples: list[tuple[float, float, float, float, int]], *, seconds:
                               "not split between contenders")
     else:
         rec["energy_note"] = ("no energy per GEMM: the section's energy includes L2 flushes and idle gaps"
-                              if mode == "server" else "no GEMM count for the section")
+                              if mode in ("isolated", "server") else "no GEMM count for the section")
     if errors:
         rec["sample_errors"] = len(errors)
     return rec

@@ -36,6 +36,7 @@ from tuner.measure.protocol import (
     decode_reply,
     encode_request,
 )
+from tuner.measure.regimes import SUSTAINED
 from tuner.space import Shape, Target, target_from_device
 
 # The directory that holds the `tuner` package this process runs (a checkout or site-packages).
@@ -148,8 +149,8 @@ class GpuBackend:
             self._start()
         return reply
 
-    def baseline(self, shape: Shape, accumulate: str = "fp32") -> dict[str, float]:
-        reply = self._call_restarting(BaselineRequest((shape.M, shape.N, shape.K), accumulate), 300)
+    def baseline(self, shape: Shape, accumulate: str = "fp32", mode: str = SUSTAINED) -> dict[str, float]:
+        reply = self._call_restarting(BaselineRequest((shape.M, shape.N, shape.K), accumulate, mode), 300)
         if not reply.ok:
             raise UserError(f"cuBLAS baseline failed for {shape}: {reply.reason}")
         return reply.baselines
@@ -158,21 +159,23 @@ class GpuBackend:
         start = time.perf_counter()
         assert req.cubin is not None, "a GPU evaluation needs a built binary"
         reply = self._call_restarting(EvaluateRequest(_absolute(req.cubin), (req.shape.M, req.shape.N, req.shape.K),
-                                                      req.launch, req.variants, req.accumulate, digest=req.digest),
+                                                      req.launch, req.variants, req.accumulate, digest=req.digest,
+                                                      mode=req.mode),
                                       timeout_s)
         status = reply.status if reply.status in ("ok", "timeout", "fault") else "failed"
         return Measurement(status=status, kind=reply.kind, reason=reply.reason, times_us=reply.times,
                            baselines_us=reply.baselines, verify=reply.verify, gpu=self.name,
-                           seconds=time.perf_counter() - start, gpu_state=reply.gpu_state, clocks=reply.clocks)
+                           seconds=time.perf_counter() - start, gpu_state=reply.gpu_state, clocks=reply.clocks,
+                           mode=reply.mode, regime=reply.regime)
 
     def compare(self, shape: Shape, candidates: dict[str, CandidateSpec], timeout_s: float = 300.0,
                 modes: list[str] | None = None, torch: bool = True) -> CompareReply:
         """Verify each candidate, then time all of them and the vendor baselines together, in
-        each of `modes` (default offline). `notes` names every baseline that could not be
-        measured. `torch=False` leaves torch.matmul out."""
+        each of `modes` (regimes, default sustained; tuner.measure.regimes). `notes` names every
+        baseline that could not be measured. `torch=False` leaves torch.matmul out."""
         candidates = {name: dataclasses.replace(c, binary=_absolute(c.binary)) if isinstance(c, CandidateSpec) else c
                       for name, c in candidates.items()}
-        req = CompareRequest((shape.M, shape.N, shape.K), candidates, list(modes or ["offline"]), torch)
+        req = CompareRequest((shape.M, shape.N, shape.K), candidates, list(modes or [SUSTAINED]), torch)
         return self._call_restarting(req, timeout_s)
 
     def restart(self) -> None:

@@ -13,8 +13,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-PROTOCOL_VERSION = 4  # 4: clock records (clocks, clocks_by_mode)
-MODES = ("offline", "server")
+from tuner.measure.regimes import ALIASES, REGIMES, SUSTAINED, RegimeReport
+
+# 4: clock records (clocks, clocks_by_mode). 5: the named regimes (sustained, isolated) replace
+# offline and server; evaluate and baseline take a regime; replies carry each regime's report.
+PROTOCOL_VERSION = 5
+MODES = REGIMES
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class HelloRequest:
 class BaselineRequest:
     shape: tuple[int, int, int]
     accumulate: str = "fp32"
+    mode: str = SUSTAINED       # the regime cuBLAS is timed in (tuner.measure.regimes)
 
 
 @dataclass(frozen=True)
@@ -62,15 +67,16 @@ class EvaluateRequest:
     accumulate: str = "fp32"
     time: bool = True         # False: verify only
     digest: str | None = None  # sha256 recorded when the binary was built; the worker loads nothing else
+    mode: str = SUSTAINED       # the regime the variants and cuBLAS are timed in: the search's objective
 
 
 @dataclass(frozen=True)
 class CompareRequest:
-    """Verify each candidate, then time them with every vendor baseline in each mode."""
+    """Verify each candidate, then time them with every vendor baseline in each regime."""
 
     shape: tuple[int, int, int]
     candidates: dict[str, CandidateSpec]
-    modes: list[str] = field(default_factory=lambda: ["offline"])
+    modes: list[str] = field(default_factory=lambda: [SUSTAINED])  # regimes (tuner.measure.regimes)
     torch: bool = True
 
 
@@ -107,6 +113,7 @@ class HelloReply(Reply):
 class BaselineReply(Reply):
     baselines: dict[str, float] = field(default_factory=dict)
     clocks: dict[str, Any] = field(default_factory=dict)          # tuner.measure.clocks record of the timing
+    regime: dict[str, Any] = field(default_factory=dict)          # RegimeReport.to_dict() of the timing
 
 
 @dataclass
@@ -118,12 +125,14 @@ class EvaluateReply(Reply):
     # a tuner.measure.clocks record ({"available": false, "reason": ...} without NVML).
     clocks: dict[str, Any] = field(default_factory=dict)
     gpu_state: dict[str, Any] = field(default_factory=dict)     # older summary of `clocks` (SM, power, temp)
+    mode: str = SUSTAINED                                        # the regime `times` were taken in
+    regime: dict[str, Any] = field(default_factory=dict)        # its RegimeReport.to_dict(): steady, energy
 
 
 @dataclass
 class CompareReply(Reply):
     modes: list[str] = field(default_factory=list)
-    times: dict[str, float] = field(default_factory=dict)        # offline if timed, else the first mode
+    times: dict[str, float] = field(default_factory=dict)        # sustained if timed, else the first regime
     times_by_mode: dict[str, dict[str, float]] = field(default_factory=dict)
     verify: dict[str, dict[str, Any]] = field(default_factory=dict)  # candidate -> its verification report
     clocks: dict[str, Any] = field(default_factory=dict)         # the clock record of `times`' mode
@@ -131,17 +140,32 @@ class CompareReply(Reply):
     gpu_state: dict[str, Any] = field(default_factory=dict)
     gpu_state_by_mode: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)          # baselines not measured, how torch was timed
+    # regime -> RegimeReport.to_dict(): rounds, warm-up, steady state, each contender's energy
+    regimes_by_mode: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @staticmethod
+    def _in(by_mode: dict[str, Any], mode: str) -> Any:
+        """`by_mode[mode]` under the regime's name or its older alias (offline, server)."""
+        key = ALIASES.get(mode, mode)
+        if key in by_mode:
+            return by_mode[key]
+        return next((v for old, v in by_mode.items() if ALIASES.get(old) == key), None)
 
     def times_in(self, mode: str) -> dict[str, float]:
-        if not self.times_by_mode and mode == "offline":
-            return self.times  # a reply of offline timing only
-        return self.times_by_mode.get(mode) or {}
+        if not self.times_by_mode and ALIASES.get(mode, mode) == SUSTAINED:
+            return self.times  # a reply of sustained (offline) timing only
+        return self._in(self.times_by_mode, mode) or {}
 
     def clocks_in(self, mode: str) -> dict[str, Any]:
-        """The clock record of one mode's timing ({} where the worker sent none: an older reply)."""
-        if not self.clocks_by_mode and mode == "offline":
+        """The clock record of one regime's timing ({} where the worker sent none: an older reply)."""
+        if not self.clocks_by_mode and ALIASES.get(mode, mode) == SUSTAINED:
             return self.clocks
-        return self.clocks_by_mode.get(mode) or {}
+        return self._in(self.clocks_by_mode, mode) or {}
+
+    def regime_in(self, mode: str) -> RegimeReport:
+        """How one regime's timing went (steady unknown where the worker sent no report)."""
+        key = ALIASES.get(mode, mode)
+        return RegimeReport.from_dict(self._in(self.regimes_by_mode, mode), key)
 
 
 REPLIES: dict[type, type] = {HelloRequest: HelloReply, BaselineRequest: BaselineReply,

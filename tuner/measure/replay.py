@@ -2,7 +2,10 @@
 
 Everything it returns is marked simulated; a config that is not in the file is reported as
 not recorded (no time is invented). A record carries the clock regime it was measured in
-(`clocks`, tuner.measure.clocks); files written before that load with none ({}).
+(`clocks`, tuner.measure.clocks) and the timing regime (`regime`: sustained or isolated,
+tuner.measure.regimes; its report in the measurement's `regime`): a request in one timing
+regime is answered only by records of that regime. Files written before either load as
+sustained (the older offline timing), with no clock record ({}) and steady state unknown.
 `record_measurement` and `record_baseline` write the file.
 """
 
@@ -13,6 +16,7 @@ from pathlib import Path
 
 from tuner.errors import UserError
 from tuner.measure.backend import EvalRequest, Measurement, config_key
+from tuner.measure.regimes import SUSTAINED, canonical
 from tuner.space import Shape, target_for_arch
 
 
@@ -45,7 +49,8 @@ class ReplayBackend:
                 continue
             try:
                 rec = json.loads(line)
-                shape = _replay_key(rec["shape"], rec.get("accumulate", "fp32"))
+                regime = canonical(rec.get("regime", SUSTAINED))  # older files: sustained (offline) only
+                shape = _replay_key(rec["shape"], rec.get("accumulate", "fp32"), regime)
                 if rec.get("type") == "baseline":
                     if not isinstance(rec["baselines_us"]["cublas"], (int, float)):
                         raise TypeError("baselines_us.cublas is not a number")
@@ -56,38 +61,47 @@ class ReplayBackend:
                         raise TypeError("measurement needs a status and a times_us mapping")
                     if not isinstance(m.get("clocks", {}), dict):
                         raise TypeError("measurement clocks is not a mapping")
+                    if not isinstance(m.get("regime", {}), dict):
+                        raise TypeError("measurement regime is not a mapping")
                     for variant in m.get("times_us", {}):
                         json.loads(variant)  # variant keys are JSON objects of run-time knobs
                     self.records[(shape, config_key(rec["family"], rec["config"]))] = rec
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise UserError(f"{self.path}:{lineno}: not a measurement record ({exc})") from None
         self.target = target_for_arch(arch)
         self.name = f"replay:{self.path.name}"
         self.families = {family for _, key in self.records for family in [key.split(":", 1)[0]]}
 
-    def baseline(self, shape: Shape, accumulate: str = "fp32") -> dict[str, float]:
-        key = _replay_key(str(shape), accumulate)
+    def baseline(self, shape: Shape, accumulate: str = "fp32", mode: str = SUSTAINED) -> dict[str, float]:
+        mode = canonical(mode)
+        key = _replay_key(str(shape), accumulate, mode)
         if key not in self.baselines:
             raise UserError(f"replay file {self.path} has no baseline for shape {shape}"
-                            + ("" if accumulate == "fp32" else f" with {accumulate} accumulation"))
+                            + ("" if accumulate == "fp32" else f" with {accumulate} accumulation")
+                            + ("" if mode == SUSTAINED else f" in the {mode} regime"))
         return self.baselines[key]
 
     def evaluate(self, req: EvalRequest, timeout_s: float = 60.0) -> Measurement:
-        rec = self.records.get((_replay_key(str(req.shape), req.accumulate), config_key(req.family, req.config)))
+        mode = canonical(req.mode)
+        rec = self.records.get((_replay_key(str(req.shape), req.accumulate, mode), config_key(req.family, req.config)))
         if rec is None:
-            return Measurement(status="not_recorded", kind="not_recorded", simulated=True, gpu=self.name,
-                               reason="config not recorded in the replay file (no time is invented)")
+            return Measurement(status="not_recorded", kind="not_recorded", simulated=True, gpu=self.name, mode=mode,
+                               reason="config not recorded in the replay file"
+                                      + ("" if mode == SUSTAINED else f" in the {mode} regime")
+                                      + " (no time is invented)")
         m = Measurement(**{k: v for k, v in rec["measurement"].items() if k in Measurement.__dataclass_fields__})
-        m.simulated, m.gpu = True, self.name
+        m.simulated, m.gpu, m.mode = True, self.name, mode
         return m
 
     def close(self) -> None:
         pass
 
 
-def _replay_key(shape: str, accumulate: str) -> str:
-    """Replay records of fp16 accumulation answer only fp16 requests (older files hold fp32 only)."""
-    return shape if accumulate == "fp32" else f"{shape}/{accumulate}"
+def _replay_key(shape: str, accumulate: str, mode: str = SUSTAINED) -> str:
+    """Replay records of fp16 accumulation answer only fp16 requests, and records of one timing
+    regime only requests in it (older files hold fp32, sustained only)."""
+    key = shape if accumulate == "fp32" else f"{shape}/{accumulate}"
+    return key if mode == SUSTAINED else f"{key}@{mode}"
 
 
 def record_measurement(path: Path, req: EvalRequest, m: Measurement) -> None:
@@ -95,13 +109,18 @@ def record_measurement(path: Path, req: EvalRequest, m: Measurement) -> None:
     rec = {"shape": str(req.shape), "family": req.family, "config": req.config, "measurement": m.to_dict()}
     if req.accumulate != "fp32":
         rec["accumulate"] = req.accumulate
+    if canonical(req.mode) != SUSTAINED:
+        rec["regime"] = canonical(req.mode)
     with open(path, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
 
 
-def record_baseline(path: Path, shape: Shape, baselines: dict[str, float], accumulate: str = "fp32") -> None:
+def record_baseline(path: Path, shape: Shape, baselines: dict[str, float], accumulate: str = "fp32",
+                    mode: str = SUSTAINED) -> None:
     rec = {"type": "baseline", "shape": str(shape), "baselines_us": baselines}
     if accumulate != "fp32":
         rec["accumulate"] = accumulate
+    if canonical(mode) != SUSTAINED:
+        rec["regime"] = canonical(mode)
     with open(path, "a") as fh:
         fh.write(json.dumps(rec) + "\n")

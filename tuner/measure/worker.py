@@ -40,7 +40,8 @@ from tuner.measure.protocol import (
     decode_request,
     encode_reply,
 )
-from tuner.measure.timing import SERVER_GAP_US, L2Flush, time_graphs, time_server
+from tuner.measure.regimes import ISOLATED, SUSTAINED, SUSTAINED_BENCH, SUSTAINED_TRIAL, Plan, canonical
+from tuner.measure.timing import SERVER_GAP_US, L2Flush, time_isolated, time_sustained
 from tuner.measure.vendors import BASELINES, Cublas, CublasLt, torch_contender
 
 
@@ -89,16 +90,36 @@ class Worker:
             self._cublas16 = Cublas(self.stream, "fp16")
         return self._cublas16
 
+    def timed(self, mode: str, contenders: dict, buf: Buffers, notes: dict[str, str] | None = None,
+              plan: Plan = SUSTAINED_BENCH) -> tuple[dict[str, float], dict, dict]:
+        """Time `contenders` in one regime (tuner.measure.regimes): (times, clock record, report)."""
+        sampler = ClockSampler(mode)
+        if mode == SUSTAINED:
+            times, report = time_sustained(contenders, buf, self.stream, self.rng, notes=notes, sampler=sampler,
+                                           plan=plan)
+        else:
+            times, report = time_isolated(contenders, buf, self.stream, self.rng, flush=self.l2_flush(),
+                                          notes=notes, sampler=sampler)
+        return times, sampler.result, report.to_dict()
+
     def baseline(self, req: BaselineRequest) -> BaselineReply:
+        try:
+            mode = canonical(req.mode)
+        except ValueError as exc:
+            return BaselineReply(status="error", kind="protocol", reason=str(exc))
         buf = self.buffers_for(req.shape)
         verify.fill_normal(buf)
         cublas = self.cublas_for(req.accumulate)
-        sampler = ClockSampler("offline")
-        times = time_graphs({"cublas": lambda b, s: cublas(b, s)}, buf, self.stream, self.rng, sampler=sampler)
-        return BaselineReply(baselines=times, clocks=sampler.result)
+        times, clocks, report = self.timed(mode, {"cublas": lambda b, s: cublas(b, s)}, buf, plan=SUSTAINED_TRIAL)
+        return BaselineReply(baselines=times, clocks=clocks, regime=report)
 
     def evaluate(self, req: EvaluateRequest) -> EvaluateReply:
-        """Verify then time one binary (all its run-time variants) against cuBLAS."""
+        """Verify then time one binary (all its run-time variants) against cuBLAS, in the
+        request's regime (the search's objective)."""
+        try:
+            mode = canonical(req.mode)
+        except ValueError as exc:
+            return EvaluateReply(status="error", kind="protocol", reason=str(exc))
         buf = self.buffers_for(req.shape)
         try:
             cand = load_candidate(req.binary, req.launch, req.digest)
@@ -129,35 +150,37 @@ class Worker:
             verify.fill_normal(buf)
             contenders = dict(launchers)
             contenders["cublas"] = cublas
-            sampler = ClockSampler("offline")
-            times = time_graphs(contenders, buf, self.stream, self.rng, sampler=sampler)
+            times, clocks, timing_report = self.timed(mode, contenders, buf, plan=SUSTAINED_TRIAL)
         except KernelFault as exc:
             return EvaluateReply(status="fault", kind="fault", reason=f"CUDA error: {exc}", fatal=True)
         except LaunchRefused as exc:
             return EvaluateReply(status="failed", kind="refused", reason=str(exc))
         baselines = {"cublas": times.pop("cublas")}
-        return EvaluateReply(verify=report, times=dict(times), baselines=baselines, clocks=sampler.result,
-                             gpu_state=gpu_state(sampler.result))
+        return EvaluateReply(verify=report, times=dict(times), baselines=baselines, clocks=clocks,
+                             gpu_state=gpu_state(clocks), mode=mode, regime=timing_report)
 
 
     def l2_flush(self) -> L2Flush:
-        """The server mode's flush buffer: allocated once per worker, outside any shape's pool churn."""
+        """The isolated regime's flush buffer: allocated once per worker, outside any shape's pool churn."""
         if self._l2_flush is None:
             self._l2_flush = L2Flush()
         return self._l2_flush
     def compare(self, req: CompareRequest) -> CompareReply:
         """Benchmark: verify several candidates, then time them and the vendor baselines
         (cuBLAS, cuBLASLt heuristic and autotuned, torch.matmul when installed) interleaved
-        in random order in one run, in each requested mode (`modes`: offline, server).
+        in one run, in each requested regime (`modes`: sustained, isolated; tuner.measure.regimes).
 
-        Replies `times_by_mode` {mode: {name: us}} and `times` (offline if requested, else
-        the first mode), and `clocks_by_mode` {mode: clock record of that mode's timing section}
-        (tuner.measure.clocks). A baseline that could not be measured is named in `notes`."""
-        modes = list(req.modes or ["offline"])
-        unknown = [m for m in modes if m not in MODES]
-        if unknown or len(set(modes)) != len(modes):
+        Replies `times_by_mode` {regime: {name: us}} and `times` (sustained if requested, else
+        the first regime), `clocks_by_mode` {regime: clock record of its timing section}
+        (tuner.measure.clocks) and `regimes_by_mode` {regime: its report: steady state, each
+        contender's energy}. A baseline that could not be measured is named in `notes`."""
+        try:
+            modes = [canonical(m) for m in (req.modes or [SUSTAINED])]
+        except ValueError as exc:
+            return CompareReply(status="error", reason=str(exc))
+        if len(set(modes)) != len(modes) or any(m not in MODES for m in modes):
             return CompareReply(status="error",
-                                reason=f"bad timing modes {modes}: each of offline, server at most once")
+                                reason=f"bad timing regimes {req.modes}: each of sustained, isolated at most once")
         clash = sorted(set(req.candidates) & set(BASELINES))
         if clash:
             return CompareReply(status="error", reason=f"candidate names {clash} clash with the baselines' names")
@@ -196,27 +219,21 @@ class Worker:
         else:
             notes["torch"] = "not measured: not requested"
         verify.fill_normal(buf)
-        times_by_mode, clocks = {}, {}
+        times_by_mode, clocks, regimes = {}, {}, {}
         for mode in modes:
-            sampler = ClockSampler(mode)
-            if mode == "offline":
-                times_by_mode[mode] = time_graphs(contenders, buf, self.stream, self.rng, notes=notes,
-                                                  sampler=sampler)
-            else:
-                times_by_mode[mode] = time_server(contenders, buf, self.stream, self.rng, flush=self.l2_flush(),
-                                                  notes=notes, sampler=sampler)
-                notes["server"] = (f"single launches, each a 1-launch CUDA graph after an L2 flush "
+            times_by_mode[mode], clocks[mode], regimes[mode] = self.timed(mode, contenders, buf, notes=notes)
+            if mode == ISOLATED:
+                notes[ISOLATED] = (f"single launches, each a 1-launch CUDA graph after an L2 flush "
                                    f"({self.l2_flush().nbytes >> 20} MiB overwritten), a synchronize and an idle "
                                    f"gap of {SERVER_GAP_US[0]:g}-{SERVER_GAP_US[1]:g} us; median")
-            clocks[mode] = sampler.result
             for name in BASELINES:
                 if name not in times_by_mode[mode] and name not in notes:
                     notes[name] = f"not measured ({mode}): no time came back"
-        first = "offline" if "offline" in modes else modes[0]
+        first = SUSTAINED if SUSTAINED in modes else modes[0]
         states = {mode: gpu_state(rec) for mode, rec in clocks.items()}
         return CompareReply(modes=modes, times=times_by_mode[first], times_by_mode=times_by_mode, verify=reports,
                             clocks=clocks[first], clocks_by_mode=clocks, gpu_state=states[first],
-                            gpu_state_by_mode=states, notes=notes)
+                            gpu_state_by_mode=states, notes=notes, regimes_by_mode=regimes)
 
 
 def serve(worker: Worker, req) -> Reply:

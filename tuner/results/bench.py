@@ -5,10 +5,15 @@ One pipeline stage on plain data. In: an export (tuner.results.schema, validated
 backend whose `compare(shape, candidates, modes=...)` verifies the candidates and times them
 with cuBLAS, cuBLASLt (heuristic and autotuned) and torch.matmul interleaved in random order
 in one worker process (tuner.measure.worker). Out: one row (a plain dict) per exported kernel
-and timing mode, then CSV, markdown and the geomean speedup per baseline and mode.
+and timing regime, one row per contender and regime (`contender_rows`), then CSV, markdown and
+the geomean speedup per baseline and regime. The regimes (tuner.measure.regimes; `mode` in the
+rows and files, for the older readers):
 
-- offline: per contender a CUDA graph of back-to-back launches (host overhead excluded).
-- server:  single launches, each after an L2 flush and a random idle gap (cold, from idle).
+- sustained: per contender a CUDA graph of back-to-back launches, replayed in short slices
+  round-robin over the contenders until steady (power-capped; host overhead excluded).
+- isolated: single launches, each after an L2 flush and a random idle gap (cold, full clocks).
+
+`offline` and `server`, their older names, are read wherever a regime is (--mode, bench.json).
 
 With `repeats` R > 1 every shape is compared R times, each in a fresh worker process (new
 CUDA context, new buffers): a row holds the median times, the median of the per-run ratios
@@ -33,6 +38,15 @@ from tuner.errors import UserError
 from tuner.measure import CandidateSpec, CompareReply
 from tuner.measure.clocks import UNKNOWN, clock_cells, combine
 from tuner.measure.protocol import MODES
+from tuner.measure.regimes import (
+    ALIASES,
+    ISOLATED,
+    ISOLATED_PLAN,
+    SUSTAINED,
+    SUSTAINED_BENCH,
+    canonical_or_none,
+    combine_reports,
+)
 from tuner.results.entries import entry_build
 from tuner.space import Shape, parse_shape
 
@@ -41,25 +55,40 @@ BASELINES = ("cublas", "cublaslt", "cublaslt_auto", "torch")
 # `regime` is "unknown" where no run has a clock record (no NVML, an older worker).
 CLOCK_FIELDS = ("sm_mhz_median", "sm_mhz_min", "power_w", "regime", "energy_per_gemm_mj")
 CLOCK_HEAD = ("SM MHz med (min)", "power W", "clock regime", "mJ/GEMM (section)")
+# Whether the regime's timing settled (tuner.measure.regimes): every run steady, after how many
+# rounds at most, in how many runs; ours' own energy per GEMM from its sustained slices.
+STEADY_FIELDS = ("steady", "steady_after", "steady_runs", "ours_mj_per_gemm")
 LABELS = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "cublaslt_auto": "cuBLASLt-auto", "torch": "torch"}
 ROW_FIELDS = (["shape", "M", "N", "K", "mode", "family", "status", "verified", "reason",
                "ours_us", "ours_tflops", "roofline_pct"]
               + [f"{b}_us" for b in BASELINES] + [f"speedup_{b}" for b in BASELINES]
               + ["speedup_cublas_min", "speedup_cublas_max", "runs"]
-              + list(CLOCK_FIELDS) + ["export_us", "pick", "knobs", "notes"])
+              + list(CLOCK_FIELDS) + list(STEADY_FIELDS) + ["export_us", "pick", "knobs", "notes"])
+# One row per contender (ours and every vendor) and regime: all of a shape's contenders ran in
+# one section, so the clock and power columns are the same for them, which is the point.
+CONTENDER_FIELDS = ["shape", "M", "N", "K", "mode", "contender", "family", "us", "tflops", "vs_cublas",
+                    "sm_mhz_median", "sm_mhz_min", "power_w", "regime", "mj_per_gemm", "spread", "steady",
+                    "steady_after", "rounds", "steady_runs", "runs"]
+CONTENDER_HEAD = ("shape", "regime", "contender", "us", "TFLOP/s", "vs cuBLAS", "SM MHz med (min)", "power W",
+                  "clock regime", "mJ/GEMM (own)", "spread %", "steady")
 GEOMEAN_FIELDS = ["mode", "baseline", "geomean_speedup", "n", "wins", "ok_rows"]
 # A time under the roofline (datasheet peak / bandwidth) by more than this is a measurement bug.
 ROOFLINE_SLACK = 0.98
 
 
 def parse_modes(mode: str) -> list[str]:
-    """--mode offline | server | both -> the list of modes to time."""
+    """--mode sustained | isolated | both (or the older offline | server) -> the regimes to time."""
     m = mode.strip().lower()
     if m == "both":
         return list(MODES)
-    if m in MODES:
-        return [m]
-    raise UserError(f"--mode {mode!r}: use offline, server or both")
+    if canonical_or_none(m) is not None:
+        return [canonical_or_none(m)]
+    raise UserError(f"--mode {mode!r}: use sustained, isolated or both (offline and server are their older names)")
+
+
+def regimes_of(modes: list[str]) -> list[str]:
+    """Regime names from a list that may hold the older ones (an older bench.json's `modes`)."""
+    return [ALIASES.get(m, m) for m in modes]
 
 
 def select_entries(data: dict[str, Any], target) -> tuple[list[dict], list[dict]]:
@@ -122,7 +151,9 @@ def _base_row(entry: dict[str, Any], mode: str) -> dict[str, Any]:
     row.update(shape=entry["shape"], M=entry["M"], N=entry["N"], K=entry["K"], mode=mode, family=entry["family"],
                verified=False, export_us=entry.get("time_us"), pick=entry.get("pick"),
                knobs=json.dumps(entry["knobs"], sort_keys=True, separators=(",", ":")), notes="",
-               clocks={})  # the full clock record: bench.json only (the CSV has its CLOCK_FIELDS)
+               # bench.json only (the CSV has their CLOCK_FIELDS and STEADY_FIELDS): the full clock
+               # record, the regime's report over the runs, the candidate's name in the worker
+               clocks={}, regime_report={}, candidate=None)
     return row
 
 
@@ -167,7 +198,12 @@ def shape_rows(entries: dict[str, dict], replies: list[CompareReply], modes: lis
             row["runs"] = len(replies)
             runs = [reply.times_in(mode) if reply.ok else {} for reply in replies]
             clocks = combine([reply.clocks_in(mode) if reply.ok else {} for reply in replies])
-            row.update(clock_cells(clocks), clocks=clocks)
+            row.update(clock_cells(clocks), clocks=clocks, candidate=name)
+            report = combine_reports([reply.regime_in(mode).to_dict() if reply.ok else {} for reply in replies], mode)
+            said = report["steady"] is not None
+            row.update(regime_report=report, steady=report["steady"], steady_after=report["steady_after"],
+                       steady_runs=f"{report['steady_runs']}/{report['runs']}" if said else None,
+                       ours_mj_per_gemm=report["energy_mj"].get(name))
             for b in BASELINES:
                 row[f"{b}_us"] = _median([t.get(b) for t in runs])
             row["notes"] = "; ".join(warnings.get(name, []) + baseline_notes)
@@ -219,6 +255,7 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
     first in a fresh worker). Returns plain data: rows, geomeans, skipped entries and the
     worker's notes per shape."""
     target = backend.target
+    modes = regimes_of(modes)
     entries, skipped = select_entries(data, target)
     groups: dict[str, list[dict]] = {}
     for e in sorted(entries, key=lambda e: (e["M"] * e["N"] * e["K"], e["shape"])):
@@ -248,6 +285,7 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
             on_shape(i, len(groups), shape_s, new)
     return {"gpu": target.name, "arch": target.arch, "backend": getattr(backend, "name", ""),
             "modes": list(modes), "repeats": repeats, "rows": rows, "geomeans": geomeans(rows, modes),
+            "contenders": contender_rows(rows),
             "skipped": skipped, "notes": notes, "entries": len(data["entries"]),
             "simulated": bool(getattr(backend, "simulated", False))}
 
@@ -261,10 +299,12 @@ def _compare(backend, shape: Shape, candidates: dict[str, CandidateSpec], modes:
         return reply
     merged = CompareReply(modes=list(modes), times_by_mode={m: {} for m in modes})
     sections: dict[str, list[dict]] = {m: [] for m in modes}
+    reports: dict[str, list[dict]] = {m: [] for m in modes}
     for name, cand in candidates.items():
         one = backend.compare(shape, {name: cand}, timeout_s=timeout_s, modes=modes, torch=torch)
         for m in modes:
             sections[m].append(one.clocks_in(m) if one.ok else {})
+            reports[m].append(one.regime_in(m).to_dict() if one.ok else {})
         if not one.ok:
             merged.verify[name] = {"ok": False, "kind": one.kind or one.status,
                                    "reason": f"compare failed: {one.reason}"}
@@ -277,7 +317,48 @@ def _compare(backend, shape: Shape, candidates: dict[str, CandidateSpec], modes:
                     merged.times_by_mode[m][k] = v  # baselines: from the first run that timed them
     # One record per mode for the separate compares together (each row's regime spans them all).
     merged.clocks_by_mode = {m: combine(recs) for m, recs in sections.items()}
+    merged.regimes_by_mode = {m: combine_reports(reps, m) for m, reps in reports.items()}
     return merged
+
+
+def contender_rows(rows: list[dict]) -> list[dict]:
+    """Per shape and regime, one row per contender: ours (each exported kernel that verified and
+    was timed) and every vendor baseline, with its time, TFLOP/s, ratio to cuBLAS (cuBLAS us /
+    its us), the section's SM clock and power (shared: all of them ran interleaved in it), its
+    own energy per GEMM (sustained, where the counter resolved its slices), the spread of its
+    reported window and whether the regime's timing settled. Built from the kernel rows alone,
+    so an older bench.json gives the same table (energy and steady state unknown)."""
+    out: list[dict] = []
+    seen: set[tuple[str, str, str]] = set()
+    for r in rows:
+        report = r.get("regime_report") or {}
+        mode = ALIASES.get(r["mode"], r["mode"])
+        shape = _shape_of(r)
+        ours = r.get("candidate")
+        named = [(f"ours ({r['family']})", ours, r["ours_us"] if r["status"] == "ok" else None)]
+        named += [(LABELS[b], b, r.get(f"{b}_us")) for b in BASELINES]
+        for label, key, us in named:
+            if key in BASELINES and (r["shape"], mode, key) in seen:
+                continue  # a shape's baselines once, however many of its kernels were exported
+            seen.add((r["shape"], mode, str(key)))
+            if key in BASELINES and us is None:
+                continue  # not measured: the notes say why
+            cublas = r.get("cublas_us")
+            out.append({"shape": r["shape"], "M": r["M"], "N": r["N"], "K": r["K"], "mode": mode, "contender": label,
+                        "family": r["family"] if key not in BASELINES else None, "us": us,
+                        "tflops": shape.tflops(us) if us else None,
+                        "vs_cublas": cublas / us if cublas and us else None,
+                        "sm_mhz_median": r.get("sm_mhz_median"), "sm_mhz_min": r.get("sm_mhz_min"),
+                        "power_w": r.get("power_w"), "regime": r.get("regime") or UNKNOWN,
+                        "mj_per_gemm": (report.get("energy_mj") or {}).get(key) if key else None,
+                        "spread": (report.get("spread") or {}).get(key) if key else None,
+                        "steady": report.get("steady"), "steady_after": report.get("steady_after"),
+                        "rounds": report.get("rounds"), "steady_runs": r.get("steady_runs"), "runs": r.get("runs")})
+    return out
+
+
+def _shape_of(row: dict) -> Shape:
+    return Shape(int(row["M"]), int(row["N"]), int(row["K"]))
 
 
 # ---- outputs ------------------------------------------------------------------------------
@@ -315,6 +396,36 @@ def clock_texts(row: dict) -> list[str]:
     return [sm, _f(row.get("power_w"), ".0f"), str(row["regime"]), _f(row.get("energy_per_gemm_mj"), ".3g")]
 
 
+def steady_words(steady: bool | None, after: int | None, rounds: int | None, steady_runs: str | None = None) -> str:
+    """"yes (9 rounds)", "NO (60 rounds)", over several runs with ", 2/3 runs steady"; "unknown"
+    where no run said (an older worker or file)."""
+    if steady is None:
+        return UNKNOWN
+    text = f"yes ({after} rounds" if steady else f"NO ({rounds if rounds is not None else '?'} rounds"
+    if steady_runs and not steady_runs.endswith("/1"):  # one run: nothing to add
+        text += f", {steady_runs} runs steady"
+    return text + ")"
+
+
+def steady_cell(row: dict) -> str:
+    """Whether the row's regime timing settled (every run), after how many rounds."""
+    return steady_words(row.get("steady"), row.get("steady_after"), (row.get("regime_report") or {}).get("rounds"),
+                        row.get("steady_runs"))
+
+
+def contender_texts(c: dict) -> list[str]:
+    """A contender row's cells as tables print them (CONTENDER_HEAD)."""
+    sm = _f(c.get("sm_mhz_median"), ".0f")
+    if c.get("sm_mhz_median") is not None and c.get("sm_mhz_min") is not None:
+        sm += f" ({c['sm_mhz_min']:.0f})"
+    steady = steady_words(c.get("steady"), c.get("steady_after"), c.get("rounds"), c.get("steady_runs"))
+    spread = _f(100.0 * c["spread"], ".2f") if c.get("spread") is not None else "-"
+    return [c["shape"], c["mode"], c["contender"], _f(c["us"], ".2f"), _f(c["tflops"], ".1f"),
+            _f(c["vs_cublas"], ".3f"), sm if c.get("regime") != UNKNOWN else UNKNOWN,
+            _f(c.get("power_w"), ".0f") if c.get("regime") != UNKNOWN else UNKNOWN, str(c.get("regime") or UNKNOWN),
+            _f(c.get("mj_per_gemm"), ".3g"), spread, steady]
+
+
 def _verified(row: dict) -> str:
     if row["status"] == "ok":
         return "yes"
@@ -337,49 +448,68 @@ def geomean_text(g: dict) -> str:
 
 
 def markdown(result: dict[str, Any], source: str = "") -> str:
-    """The report: per shape and mode ours vs every baseline; geomeans; skipped; notes."""
-    modes = result["modes"]
+    """The report: per shape and regime ours vs every baseline; per contender and regime;
+    geomeans; skipped; notes."""
+    modes = regimes_of(result["modes"])
     sim = "  [SIMULATED]" if result.get("simulated") else ""
     lines = [f"# hgemm-tune bench{(': ' + source) if source else ''}{sim}", "",
              f"GPU: {result['gpu']} ({result['arch']}); fp16 in/out, fp32 accumulate, TN (C = A·Bᵀ). Every "
-             "kernel re-verified, then timed with the baselines interleaved in random order in one worker "
-             "process. cuBLAS = cublasGemmEx(COMPUTE_32F); cuBLASLt = cublasLtMatmul, heuristic's first "
-             "algorithm; cuBLASLt-auto = fastest of its top 16 on the shape; torch = torch.matmul(A, B.t(), "
-             "out=C) on the same buffers and stream. vs X = X us / ours us (above 1: ours is faster).", ""]
-    if "offline" in modes:
-        lines.append("- offline: per contender a CUDA graph of back-to-back launches; median of 7 interleaved "
-                     "replays.")
+             "kernel re-verified, then timed with the baselines interleaved in one worker process, in the same "
+             "thermal and power state (docs/decisions/0036). cuBLAS = cublasGemmEx(COMPUTE_32F); cuBLASLt = "
+             "cublasLtMatmul, heuristic's first algorithm; cuBLASLt-auto = fastest of its top 16 on the shape; "
+             "torch = torch.matmul(A, B.t(), out=C) on the same buffers and stream. vs X = X us / ours us "
+             "(above 1: ours is faster).", ""]
+    sp, ip = SUSTAINED_BENCH, ISOLATED_PLAN
+    if SUSTAINED in modes:
+        lines.append(f"- sustained: per contender a CUDA graph of back-to-back launches, replayed in slices of about "
+                     f"{sp.slice_ms:g} ms round-robin over the contenders (a new random order every round, no gap: "
+                     f"the same power state for all) after {sp.warmup_rounds} warm-up rounds each, until the last "
+                     f"{sp.window} rounds agree within {100 * sp.tol:g}% for every contender (steady; at least "
+                     f"{sp.min_rounds}, at most {sp.max_rounds} rounds or {sp.max_s:g} s); median of those "
+                     f"{sp.window} rounds. The power-capped regime.")
+    if ISOLATED in modes:
+        lines.append(f"- isolated: single launches (one-launch CUDA graphs), each after an L2 flush (a buffer of "
+                     f"2x the L2 overwritten) and a random 20-500 us idle gap, interleaved per launch (a new random "
+                     f"order every round) after {ip.warmup_rounds} warm-up rounds; median. Steady: the medians of "
+                     f"blocks of {ip.block} rounds agree within {100 * ip.tol:g}% over the last {ip.window} blocks. "
+                     "The full-clock regime.")
     if result.get("repeats", 1) > 1:
         lines.append(f"- {result['repeats']} runs, each in a fresh worker process: median times, median of the "
-                     "per-run ratios (vs cuBLAS: with their range); a row counts only if every run verified it.")
-    if "server" in modes:
-        lines.append("- server: single launches (one-launch CUDA graphs), each after an L2 flush (a buffer of "
-                     "2x the L2 overwritten) and a random 20-500 us idle gap; median.")
-    lines.append("- clocks: NVML sampled every 15 ms while each mode's timing ran (all contenders of the shape "
+                     "per-run ratios (vs cuBLAS: with their range); a row counts only if every run verified it, and "
+                     "is steady only if every run was.")
+    lines.append("- clocks: NVML sampled every 15 ms while each regime's timing ran (all contenders of the shape "
                  "together): SM MHz median (min); power W, the mean from the energy counter (where the card has "
                  "none, the median of NVML's power readings, which average over about a second and lag a short "
-                 "section); the regime (power-capped: the software power cap held the clock in >= 20% of the busy "
-                 "samples; thermal; full clocks; unknown: no clock record); and the section's energy per GEMM over "
-                 "every contender's launches (offline only; not split between contenders).")
-    head = (["shape", "mode", "family", "ours us", "TFLOP/s", "% roofline"]
+                 "section); the clock regime (power-capped: the software power cap held the clock in >= 20% of the "
+                 "busy samples; thermal; full clocks; unknown: no clock record); the section's energy per GEMM over "
+                 "every contender's launches (sustained only); and each contender's own energy per GEMM, read "
+                 "from the energy counter at its slices' boundaries (sustained only, where the counter moved in at "
+                 "least 90% of the slices; '-' otherwise).")
+    head = (["shape", "regime", "family", "ours us", "TFLOP/s", "% roofline"]
             + [f"{LABELS[b]} us" for b in BASELINES] + [f"vs {LABELS[b]}" for b in BASELINES] + ["verified"]
-            + list(CLOCK_HEAD))
-    left = ("shape", "mode", "family", "verified", "clock regime")
+            + list(CLOCK_HEAD) + ["steady"])
+    left = ("shape", "regime", "family", "verified", "clock regime", "steady")
     lines += ["", "| " + " | ".join(head) + " |",
               "|" + "|".join("---" if h in left else "---:" for h in head) + "|"]
     for r in result["rows"]:
-        cells = [r["shape"], r["mode"], r["family"], _f(r["ours_us"], ".2f"), _f(r["ours_tflops"], ".1f"),
-                 _f(r["roofline_pct"], ".1f")]
+        cells = [r["shape"], ALIASES.get(r["mode"], r["mode"]), r["family"], _f(r["ours_us"], ".2f"),
+                 _f(r["ours_tflops"], ".1f"), _f(r["roofline_pct"], ".1f")]
         cells += [_f(r[f"{b}_us"], ".2f") for b in BASELINES]
         cells += [_speedup_cell(r, b) for b in BASELINES]
         cells.append(_verified(r))
         cells += clock_texts(r)
+        cells.append(steady_cell(r))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if not result["rows"]:
         lines.append("| " + " | ".join(["-"] * len(head)) + " |")
+    lines += ["", "## Per contender and regime", "",
+              "Every contender of a shape ran interleaved in one section per regime: the SM clock and power are "
+              "that section's, the same for all of them; mJ/GEMM (own) is the contender's own; vs cuBLAS = "
+              "cuBLAS us / its us; spread = (max - min) / median of its reported rounds.", ""]
+    lines += contender_markdown(result.get("contenders") or contender_rows(result["rows"]))
     lines += ["", "## Geomean speedup (baseline us / ours us) over the verified shapes", "",
               "| baseline | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
-    by = {(g["mode"], g["baseline"]): g for g in result["geomeans"]}
+    by = {(ALIASES.get(g["mode"], g["mode"]), g["baseline"]): g for g in result["geomeans"]}
     for b in BASELINES:
         lines.append(f"| {LABELS[b]} | " + " | ".join(geomean_text(by[(m, b)]) for m in modes) + " |")
     bad = [r for r in result["rows"] if r["status"] != "ok"]
@@ -395,13 +525,25 @@ def markdown(result: dict[str, Any], source: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def contender_markdown(contenders: list[dict]) -> list[str]:
+    """The per-contender table (CONTENDER_HEAD) as markdown lines."""
+    left = ("shape", "regime", "contender", "clock regime", "steady")
+    lines = ["| " + " | ".join(CONTENDER_HEAD) + " |",
+             "|" + "|".join("---" if h in left else "---:" for h in CONTENDER_HEAD) + "|"]
+    for c in contenders:
+        lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in contender_texts(c)) + " |")
+    if not contenders:
+        lines.append("| " + " | ".join(["-"] * len(CONTENDER_HEAD)) + " |")
+    return lines
+
+
 # Per-shape details that stay in bench.json only (the table would repeat them for every shape).
 QUIET_NOTES = ("cublaslt_algos", "torch_check")
 
 
 def note_lines(notes: dict[str, dict[str, str]]) -> list[str]:
     """The worker's notes, each distinct (key, text) once with the shapes it holds for: a
-    baseline that was not measured, how torch was timed, what server mode did. Candidates'
+    baseline that was not measured, how torch was timed, what the isolated regime did. Candidates'
     own notes are in their rows' reasons."""
     shapes_of: dict[tuple[str, str], list[str]] = {}
     for shape, n in notes.items():
@@ -417,10 +559,13 @@ def note_lines(notes: dict[str, dict[str, str]]) -> list[str]:
 
 
 def write_outputs(result: dict[str, Any], out: Path, source: str = "") -> list[Path]:
-    """bench.csv (one row per kernel and mode), bench_geomean.csv, bench.md, bench.json."""
+    """bench.csv (one row per kernel and regime), bench_geomean.csv, bench_contenders.csv (one row
+    per contender and regime), bench.md, bench.json."""
     out.mkdir(parents=True, exist_ok=True)
     files = [write_csv(result["rows"], ROW_FIELDS, out / "bench.csv"),
-             write_csv(result["geomeans"], GEOMEAN_FIELDS, out / "bench_geomean.csv")]
+             write_csv(result["geomeans"], GEOMEAN_FIELDS, out / "bench_geomean.csv"),
+             write_csv(result.get("contenders") or contender_rows(result["rows"]), CONTENDER_FIELDS,
+                       out / "bench_contenders.csv")]
     md = out / "bench.md"
     md.write_text(markdown(result, source))
     js = out / "bench.json"

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from tuner.errors import UserError
-from tuner.results.bench import geomean
+from tuner.results.bench import contender_rows, geomean, markdown, regimes_of
 from tuner.results.schema import check_writable_folder
 
 
@@ -143,8 +143,10 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
 
 
 def write_bench_report(bench: dict[str, Any], out: Path) -> list[Path]:
-    """From `hgemm-tune bench`'s bench.json: speedup over every baseline against GFLOP (log),
-    one panel per timing mode (offline, server). Failed rows are not plotted."""
+    """From `hgemm-tune bench`'s bench.json: speedup over every baseline against GFLOP (log), one
+    panel per timing regime (sustained, isolated; an older file's offline and server are those),
+    and bench_report.md: the kernel table and the table per contender and regime (time,
+    TFLOP/s, ratio, SM clock, power, energy per GEMM, steady state). Failed rows are not plotted."""
     require_matplotlib()
     import matplotlib
 
@@ -155,9 +157,10 @@ def write_bench_report(bench: dict[str, Any], out: Path) -> list[Path]:
     if df.empty:
         return []
     _make_out(out)
+    df["mode"] = regimes_of(list(df["mode"]))
     df["gflop"] = 2 * df["M"] * df["N"] * df["K"] / 1e9
     bases = [c.removeprefix("speedup_") for c in df.columns if c.startswith("speedup_") and df[c].notna().any()]
-    modes = [m for m in bench["modes"] if m in set(df["mode"])]
+    modes = [m for m in regimes_of(bench["modes"]) if m in set(df["mode"])]
     tag = "  [SIMULATED]" if bench.get("simulated") else ""
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False, sharey=True)
     for ax, mode in zip(axes[0], modes, strict=True):
@@ -167,11 +170,19 @@ def write_bench_report(bench: dict[str, Any], out: Path) -> list[Path]:
         ax.axhline(1.0, color="gray", lw=1, ls="--")
         ax.set_xscale("log")
         ax.set_xlabel("GFLOP per GEMM (log)")
-        ax.set_title(f"{mode} mode")
+        ax.set_title(f"{mode} regime")
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("speedup (baseline us / ours us)")
     fig.suptitle(f"{bench['gpu']}: tuned kernels against the vendor libraries, same run{tag}")
-    return [_save(fig, out / "bench_speedup_vs_flops.png")]
+    written = [_save(fig, out / "bench_speedup_vs_flops.png")]
+    md = out / "bench_report.md"
+    text = markdown(bench | {"contenders": bench.get("contenders") or contender_rows(bench["rows"])},
+                    str(bench.get("source", "")))
+    try:
+        md.write_text(text)
+    except OSError as exc:
+        raise UserError(f"cannot write the report to {md}: {exc.strerror or exc}") from None
+    return written + [md]
 
 
 def _has_tabulate() -> bool:

@@ -8,7 +8,7 @@ from tuner.search.confirm import confirm, confirmable, confirmation, distinct_be
 from tuner.search.interrupts import INTERRUPTS
 from tuner.search.loop import Progress, Search, tune
 from tuner.search.records import NOT_EVALUATED, NOT_MEASURED, Status, StudyMeta, TrialRecord
-from tuner.search.sampler import SAMPLERS, check_accumulate, nearest_winners, study_name
+from tuner.search.sampler import SAMPLERS, check_accumulate, check_objective, nearest_winners, study_name
 from tuner.search.storage import open_storage
 from tuner.search.studies import (
     best_per_family,
@@ -25,7 +25,7 @@ from tuner.search.studies import (
 
 __all__ = [
     "INTERRUPTS", "NOT_EVALUATED", "NOT_MEASURED", "SAMPLERS", "Progress", "Search", "Status", "StudyMeta",
-    "TrialRecord", "best_per_family", "best_trial", "check_accumulate", "confirm", "confirmable", "confirmation",
-    "current_ok", "distinct_best", "evaluated_trials", "existing_study", "gpu_model", "load_studies",
+    "TrialRecord", "best_per_family", "best_trial", "check_accumulate", "check_objective", "confirm", "confirmable",
+    "confirmation", "current_ok", "distinct_best", "evaluated_trials", "existing_study", "gpu_model", "load_studies",
     "measured_trials", "nearest_winners", "open_storage", "open_study", "study_name", "study_stats", "tune",
 ]

@@ -14,6 +14,7 @@ import optuna
 from tuner.build import CompilePool, CompileResult, RenderError, render, source_hash
 from tuner.errors import UserError
 from tuner.measure import Backend, EvalRequest, Measurement, launch_spec
+from tuner.measure.regimes import SUSTAINED
 from tuner.search.records import Status, TrialRecord
 from tuner.search.sampler import full_config
 from tuner.space import Family, Shape
@@ -30,10 +31,11 @@ class Pending:
 
 
 def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend: Backend, pool: CompilePool | None,
-            accumulate: str = "fp32") -> Pending:
-    """Validate, render and (if the backend runs real code) start compiling one config."""
+            accumulate: str = "fp32", objective: str = SUSTAINED) -> Pending:
+    """Validate, render and (if the backend runs real code) start compiling one config, to be
+    timed in the regime `objective` (tuner.measure.regimes)."""
     full = full_config(fam, config)
-    rec = TrialRecord(family=fam.name, config=fam.compile_config(full), status=Status.PENDING)
+    rec = TrialRecord(family=fam.name, config=fam.compile_config(full), status=Status.PENDING, objective=objective)
     why = fam.violations(full, shape, backend.target)
     if why:
         rec.status, rec.kind, rec.reason = Status.INVALID, "invalid", "; ".join(why)
@@ -49,7 +51,7 @@ def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend: Backend,
         return Pending(None, fam, rec.config, rec)
     rec.source_hash = source_hash(source)
     req = EvalRequest(fam.name, rec.config, shape, None, launch_spec(fam, full, shape, backend.target), variants,
-                      accumulate)
+                      accumulate, mode=objective)
     pending = Pending(None, fam, rec.config, rec, request=req)
     if backend.needs_cubin:
         if pool is None:

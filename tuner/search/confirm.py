@@ -25,6 +25,7 @@ from tuner.build import RenderError, render
 from tuner.errors import UserError
 from tuner.measure import CandidateSpec, CompareReply, candidate_spec
 from tuner.measure.clocks import combine
+from tuner.measure.regimes import SUSTAINED, combine_reports
 from tuner.search.records import StudyMeta, TrialRecord, confirm_record, store_confirm_record
 from tuner.search.studies import current_ok, gpu_model
 
@@ -94,9 +95,11 @@ def build_candidates(space, trials: list, shape, target, pool) -> tuple[dict[str
     return candidates, failed
 
 
-def summarize(trials: list, runs: list[CompareReply], failed: dict[str, str], gpu: str) -> dict[str, Any]:
-    """Compare replies (one per run) -> the confirmation record: per kernel its run times and
-    medians, and the winner (lowest median among those verified and timed in every run)."""
+def summarize(trials: list, runs: list[CompareReply], failed: dict[str, str], gpu: str,
+              objective: str = SUSTAINED) -> dict[str, Any]:
+    """Compare replies (one per run) -> the confirmation record: per kernel its run times in the
+    `objective` regime and medians, and the winner (lowest median among those verified and
+    timed in every run)."""
     kernels = []
     for t in trials:
         name = f"#{t.number}"
@@ -110,8 +113,9 @@ def summarize(trials: list, runs: list[CompareReply], failed: dict[str, str], gp
             verdict = reply.verify.get(name, {"ok": False, "reason": "not measured"})
             if not verdict["ok"]:
                 k["verified"], k["reason"] = False, k["reason"] or verdict.get("reason")
-            k["times_us"].append(reply.times.get(name) if verdict["ok"] else None)
-            k["vendors_us"].append({v: reply.times.get(v) for v in VENDORS})
+            times = reply.times_in(objective)
+            k["times_us"].append(times.get(name) if verdict["ok"] else None)
+            k["vendors_us"].append({v: times.get(v) for v in VENDORS})
         timed = k["verified"] and bool(runs) and all(k["times_us"])
         paired = PairedRuns(k["times_us"], k["vendors_us"])
         k["median_us"] = paired.median() if timed else None
@@ -123,9 +127,11 @@ def summarize(trials: list, runs: list[CompareReply], failed: dict[str, str], gp
     timed = [k for k in kernels if k["median_us"] is not None]
     winner = min(timed, key=lambda k: (k["median_us"], k["in_study_us"])) if timed else None
     return {"runs": len(runs), "top": len(trials), "gpu": gpu, "kernels": kernels,
-            "winner": winner["trial"] if winner else None,
-            # each run's clock record (offline timing; {} from a failed run or an older worker)
-            "clocks": [reply.clocks_in("offline") if reply.ok else {} for reply in runs],
+            "winner": winner["trial"] if winner else None, "objective": objective,
+            # each run's clock record of the objective's timing ({} from a failed run or an older worker)
+            "clocks": [reply.clocks_in(objective) if reply.ok else {} for reply in runs],
+            # and how that timing went (steady state, energy per contender)
+            "regimes": [reply.regime_in(objective).to_dict() if reply.ok else {} for reply in runs],
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -151,16 +157,18 @@ def confirm(space, study: optuna.Study, backend, pool, *, top: int = 3, runs: in
     trials = distinct_best(study.get_trials(deepcopy=False), top, complete, gpu_model(getattr(backend, "name", None)))
     if not trials:
         return None
-    shape = StudyMeta.of(study).shape_record
+    meta = StudyMeta.of(study)
+    shape = meta.shape_record
     candidates, failed = build_candidates(space, trials, shape, backend.target, pool)
     replies = []
     for i in range(runs if candidates else 0):
         backend.restart()  # every run in a fresh worker: one allocation's luck is not every run's
-        reply = backend.compare(shape, candidates, torch=False)
+        # in the regime the study minimized: its ranking is confirmed, not another regime's
+        reply = backend.compare(shape, candidates, torch=False, modes=[meta.objective])
         replies.append(reply)
         if on_run:
             on_run(i, reply)
-    record = summarize(trials, replies, failed, backend.name)
+    record = summarize(trials, replies, failed, backend.name, meta.objective)
     store_confirm_record(study, record)
     return record
 
@@ -180,4 +188,6 @@ def confirmation(study: optuna.Study, in_study_best: optuna.trial.FrozenTrial | 
     # The runs' clock regimes together ("unknown" for a record stored before they were kept).
     clocks = combine(record["clocks"]) if "clocks" in record else {
         "available": False, "reason": "confirmed before clock records were kept"}
-    return chosen | {"runs": record["runs"], "top": record["top"], "clocks": clocks}
+    objective = record.get("objective", SUSTAINED)
+    steady = combine_reports(record["regimes"], objective) if "regimes" in record else None
+    return chosen | {"runs": record["runs"], "top": record["top"], "clocks": clocks, "steady_state": steady}

@@ -25,6 +25,7 @@ import optuna
 from tuner.build import CompilePool, RenderError, render, source_hash, template_hash
 from tuner.errors import UserError
 from tuner.measure import Backend, EvalRequest, Measurement, config_key
+from tuner.measure.regimes import SUSTAINED
 from tuner.search.compile_queue import Pending, finish, prepare
 from tuner.search.interrupts import INTERRUPTS
 from tuner.search.owners import this_process
@@ -34,6 +35,7 @@ from tuner.search.sampler import (
     STALE_PROPOSALS,
     Claims,
     check_accumulate,
+    check_objective,
     full_config,
     make_sampler,
     random_valid_config,
@@ -73,22 +75,31 @@ class Search:
                  storage: str, sampler: str = "tpe", name: str | None = None, seed: int | None = None,
                  pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
                  recorder: Recorder | None = None, warm_start: list[tuple[str, dict[str, Any]]] | None = None,
-                 patience: int | None = None, accumulate: str = "fp32", catalogue: dict[str, str] | None = None):
+                 patience: int | None = None, accumulate: str = "fp32", catalogue: dict[str, str] | None = None,
+                 objective: str = SUSTAINED):
         self.families: list[Family] = [space.family(n) for n in family_names]
         check_accumulate(space, family_names, accumulate)
+        objective = check_objective(objective)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.shape, self.backend, self.pool, self.trials = shape, backend, pool, trials
         self.eval_timeout_s, self.recorder = eval_timeout_s, recorder
-        self.patience, self.accumulate = patience, accumulate
+        self.patience, self.accumulate, self.objective = patience, accumulate, objective
         self.catalogue = catalogue or {}  # source hash -> digest of the kernel catalogue holding it
         self.backing = open_storage(storage)
         self.owner = this_process()
-        name = name or study_name(shape, self.families, backend.target.arch, accumulate=accumulate)
+        name = name or study_name(shape, self.families, backend.target.arch, accumulate=accumulate,
+                                  objective=objective)
         self.study = open_study(name, self.backing, make_sampler(sampler, seed, self.families))
         fresh = not self.study.get_trials(deepcopy=False)
+        if not fresh and "shape" in self.study.user_attrs and StudyMeta.of(self.study).objective != objective:
+            # Its values are times of another regime: one study never ranks two regimes' times.
+            raise UserError(f"study {name!r} minimizes the {StudyMeta.of(self.study).objective} time, not the "
+                            f"{objective} time: run it with --objective {StudyMeta.of(self.study).objective}, or "
+                            "name another study")
         StudyMeta(shape=str(shape), families=[f.name for f in self.families], target=backend.target.to_dict(),
                   backend=backend.name, simulated=backend.simulated, trials_target=trials, accumulate=accumulate,
-                  template_hashes={f.name: template_hash(f) for f in self.families}).write(self.study)
+                  template_hashes={f.name: template_hash(f) for f in self.families},
+                  objective=objective).write(self.study)
         self.recovered: list[int] = []  # re-queued trials of dead workers: asked first
         self._fail_stale()
         if fresh:
@@ -194,7 +205,7 @@ class Search:
                 if prev is not None:
                     tell_duplicate(self.study, trial, prev)  # never compile or time a config twice
                     return
-                p = prepare(fam, config, self.shape, self.backend, self.pool, self.accumulate)
+                p = prepare(fam, config, self.shape, self.backend, self.pool, self.accumulate, self.objective)
                 p.trial = trial
                 p.record.catalogue = self.catalogue.get(p.record.source_hash, "")
                 if p.record.status == Status.INVALID:
@@ -321,14 +332,15 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend: Backend, 
          timeout_s: float | None = None, pool: CompilePool | None = None, lookahead: int | None = None,
          eval_timeout_s: float = 60.0, on_progress: ProgressCallback | None = None, recorder: Recorder | None = None,
          warm_start: list[tuple[str, dict[str, Any]]] | None = None, patience: int | None = None,
-         accumulate: str = "fp32") -> optuna.Study:
+         accumulate: str = "fp32", objective: str = SUSTAINED) -> optuna.Study:
     """Run (or join, or resume) the study until it holds `trials` measured trials.
 
     accumulate: fp32 (the default problem) or fp16 accumulation, a different problem with
-    its own study, verification and cuBLAS baseline (fp16 compute).
+    its own study, verification and cuBLAS baseline (fp16 compute). objective: the timing
+    regime whose time the search minimizes (sustained or isolated, tuner.measure.regimes).
     warm_start: (family, config) pairs tried first in a fresh study (e.g. the winners of
     nearby shapes). patience: stop once the best has not improved for this many trials."""
     search = Search(space, family_names, shape, backend, trials=trials, storage=storage, sampler=sampler, name=name,
                     seed=seed, pool=pool, lookahead=lookahead, eval_timeout_s=eval_timeout_s, recorder=recorder,
-                    warm_start=warm_start, patience=patience, accumulate=accumulate)
+                    warm_start=warm_start, patience=patience, accumulate=accumulate, objective=objective)
     return search.run(timeout_s, on_progress)

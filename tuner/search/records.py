@@ -15,6 +15,7 @@ from typing import Any
 import optuna
 
 from tuner.measure import Measurement
+from tuner.measure.regimes import SUSTAINED
 from tuner.space import Shape, Target
 
 
@@ -75,6 +76,11 @@ class TrialRecord:
     gpu_state: dict[str, Any] = field(default_factory=dict)
     # The clock regime of its measurement (tuner.measure.clocks record; {} in older studies).
     clocks: dict[str, Any] = field(default_factory=dict)
+    # The timing regime its time was taken in: the study's objective (tuner.measure.regimes);
+    # older studies were timed back-to-back (offline), the sustained regime's predecessor.
+    objective: str = SUSTAINED
+    # How that timing went (RegimeReport.to_dict(): rounds, steady state, energy); {} when unknown.
+    regime_report: dict[str, Any] = field(default_factory=dict)
     # The digest of the kernel catalogue that holds this trial's kernel ("" when none does): with
     # `cached`, its binary came from the catalogue and cost no nvcc time.
     catalogue: str = ""
@@ -117,6 +123,7 @@ class TrialRecord:
     def apply(self, m: Measurement, shape: Shape, peak_tflops: float) -> TrialRecord:
         """Fill the record from a measurement; a time faster than the hardware is a failure."""
         self.simulated, self.gpu, self.gpu_state, self.clocks = m.simulated, m.gpu, m.gpu_state, m.clocks
+        self.regime_report = m.regime  # `objective` was set when the trial was asked (compile_queue.prepare)
         self.verify = m.verify
         self.variant_times_us = m.times_us
         self.cublas_us = m.baselines_us.get("cublas")
@@ -182,6 +189,8 @@ class StudyMeta:
     trials_target: int = 100
     accumulate: str = "fp32"
     template_hashes: dict[str, str] = field(default_factory=dict)
+    # The regime whose time the search minimizes (tuner.measure.regimes); older studies: sustained.
+    objective: str = SUSTAINED
 
     def write(self, study: optuna.Study) -> None:
         for key, value in dataclasses.asdict(self).items():

@@ -13,6 +13,7 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.measure import config_key
+from tuner.measure.regimes import ALIASES, OBJECTIVES, SUSTAINED
 from tuner.search.records import UNMEASURED_FAILS, Status, StudyMeta, TrialRecord
 from tuner.search.studies import best_per_family
 from tuner.space import Family, Shape, Space, parse_shape
@@ -55,9 +56,13 @@ def make_sampler(name: str, seed: int | None, families: list[Family]) -> optuna.
     raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
 
 
-def study_name(shape: Shape, families: list[Family], arch: str, layout: str = "TN", accumulate: str = "fp32") -> str:
+def study_name(shape: Shape, families: list[Family], arch: str, layout: str = "TN", accumulate: str = "fp32",
+               objective: str = SUSTAINED) -> str:
+    """The default study name; a study of another objective than sustained is another study
+    (its times are of another regime), named with the objective at the end."""
     acc = {"fp32": "f32", "fp16": "f16"}[accumulate]
-    return f"{shape}-{layout}-{acc}acc-{arch}-{'+'.join(f.name for f in families)}"
+    name = f"{shape}-{layout}-{acc}acc-{arch}-{'+'.join(f.name for f in families)}"
+    return name if objective == SUSTAINED else f"{name}-{objective}"
 
 
 def suggest(trial: optuna.Trial, families: list[Family]) -> tuple[Family, dict[str, Any]]:
@@ -156,6 +161,16 @@ class Claims:
     def keys(self) -> set[str]:
         self.known = _claimed(self.study, -1)
         return set(self.known)
+
+
+def check_objective(objective: str) -> str:
+    """--objective: the regime whose time a search minimizes; one clear line for anything else."""
+    key = str(objective).strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in OBJECTIVES:
+        raise UserError(f"--objective {objective!r}: choose sustained (back-to-back launches, power-capped "
+                        "steady state) or isolated (single launches after an idle gap, full clocks)")
+    return key
 
 
 def check_accumulate(space: Space, family_names: list[str], accumulate: str) -> None:

@@ -28,9 +28,10 @@ for step in "$@"; do
     tune-bench)  # the product end to end: tune, confirm, export, then bench the export in fresh workers
       timeout "$(cap 300)" python3 -m tuner.cli tune --shape "${SHAPE:-4096x4096x8192}" --trials "${TRIALS:-12}" \
         --families "${FAMILIES:-cute_sm90}" --confirm 2 --confirm-runs 2 --storage sqlite:///runs/device.db \
-        -o runs/device_best.json 2>&1 | tee "$OUT/tune.log" | tail -30
+        ${CATALOGUE:+--catalogue "$CATALOGUE"} \
+        -o runs/device_best.json 2>&1 | tee runs/tune.log | tail -30
       timeout "$(cap 240)" python3 -m tuner.cli bench runs/device_best.json --repeats "${REPEATS:-3}" \
-        --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+        --out runs/bench 2>&1 | tee "$OUT/bench.log" | tail -40; cp runs/bench/bench.md "$OUT/" ;;
     llama-sweep)  # M buckets of a Llama-3-8B's Linear layers, from the catalogue, into an export
       timeout "$(cap ${SWEEP_TIMEOUT:-260})" python3 -m tuner.cli sweep space.yaml --shapes "${SHAPES:-llama8b_buckets}" \
         --families cute_sm90 --trials-per-shape "${TRIALS_PER_SHAPE:-8}" --confirm "${CONFIRM:-0}" \
@@ -41,7 +42,7 @@ for step in "$@"; do
       # and, for check-package, the same export with our kernel forced at every bucket (correctness at every M)
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); [e.update(pick=e["family"]) for e in d["entries"]]
 json.dump(d, open(sys.argv[2], "w"))' "${EXPORT:-runs/llama.json}" runs/forced.json
-      for d in dist forced; do
+      for d in dist $([[ ${FORCED:-1} == 1 ]] && echo forced); do
         src=${EXPORT:-runs/llama.json}; [[ $d == forced ]] && src=runs/forced.json
         ( timeout "$(cap 300)" python3 -m tuner.cli package "$src" -o runs/$d --jobs 8 > "$OUT/package_$d.log" 2>&1 &&
           timeout "$(cap 200)" python3 -c 'import sys; from tuner.runtime import torch_op; print(torch_op.build(sys.argv[1]))' \
@@ -52,7 +53,7 @@ json.dump(d, open(sys.argv[2], "w"))' "${EXPORT:-runs/llama.json}" runs/forced.j
       SITE2=$(mktemp -d)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE2" \
         $(ls .whl/*.whl | grep -v -i cutlass) || exit 1
-      args=(runs/dist); [[ $step == check-package ]] && args=(runs/forced --layers "${CHECK_LAYERS:-4096x4096,14336x4096}")
+      args=(runs/dist); [[ $step == check-package ]] && args=("runs/${CHECK_DIST:-forced}" --layers "${CHECK_LAYERS:-4096x4096,14336x4096}")
       [[ $step == bench-model ]] && args+=(--layers "${MODEL_LAYERS:-2}" --repeats "${MODEL_REPEATS:-10}")
       env -u CUDA_HOME -u HGEMM_TUNE_CACHE PATH="$NOCUDA_PATH" PYTHONPATH="$SITE2:$PWD" \
         timeout "$(cap 300)" python3 -m tuner.cli "$step" "${args[@]}" 2>&1 \

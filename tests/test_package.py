@@ -109,9 +109,10 @@ def test_dispatch_table_and_info_without_a_gpu(packaged):
     assert look(64, 256, 512) == small and look(1024, 256, 512) == large          # exact
     assert look(500, 256, 512) == small and look(600, 256, 512) == large          # between: nearest
     assert look(544, 256, 512) == large                                            # a tie: the larger bucket
-    assert look(1, 256, 512) == small                                              # below the range: the smallest
+    assert look(32, 256, 512) == small                                             # below the range: the smallest,
+    assert look(31, 256, 512) == -1 and look(1, 256, 512) == -1                    # down to half of it; then the vendor
     assert look(3000, 256, 512) == -1 and look(100000, 256, 512) == -1            # nearest is the vendor's bucket
-    assert look(7, 512, 256) == kernels["128x512x256"]
+    assert look(64, 512, 256) == kernels["128x512x256"] and look(7, 512, 256) == -1
     assert look(64, 256, 520) == -1                                                # another (N, K)
     assert look(0, 256, 512) == -2
     # run: bad arguments and vendor answers never touch the device; a tuned call finds no GPU here

@@ -23,7 +23,8 @@ STATUS = {0: "ok", 1: "no tuned kernel for this call: use the vendor library", 2
           6: "workspace too small (ask hgemm_tuned_workspace_size)"}
 RULE = ("per (N, K): an exact M runs its bucket's pick; another M runs the pick of the nearest M bucket "
         "(|M - bucket|, ties to the larger bucket) among buckets whose kernel's constraints hold for (M, N, K); "
-        "a bucket the vendor won answers 1 (use the vendor); no valid bucket or another (N, K) answers 1")
+        "a bucket the vendor won answers 1 (use the vendor); an M below half the smallest bucket, no valid bucket "
+        "or another (N, K) answers 1")
 SHAPE_NAMES = ("M", "N", "K")
 
 
@@ -317,6 +318,9 @@ extern "C" HGEMM_TUNED_API int hgemm_tuned_lookup(int M, int N, int K) {{
     for (int l = 0; l < kLayerCount; ++l) {{
         const Layer& layer = kLayers[l];
         if (layer.N != N || layer.K != K) continue;
+        // A kernel tuned for M rows is not stretched to far fewer: tile shapes and splits that fill the
+        // GPU at M waste it at M/4 (decode at M = 1 ran 0.86x cuBLAS on a 256-row pick). Untuned there: the vendor.
+        if (2LL * M < kBuckets[layer.first].M) return -1;
         int best = -1;
         long long best_d = 0;
         for (int i = layer.first; i < layer.first + layer.count; ++i) {{

@@ -14,7 +14,7 @@ Dispatch (docs/decisions/0035-packaged-library.md): for a call's (N, K), the exp
 of that (N, K); an exact M runs its own pick; any other M runs the pick of the nearest bucket
 (|M - M_bucket|, a tie goes to the larger bucket) among the buckets whose kernel's constraints
 hold for (M, N, K) -- a bucket the vendor won is always valid and answers "use the vendor"; no
-bucket, or another (N, K), answers status 1 (use the vendor).
+bucket, an M below half the smallest bucket, or another (N, K), answers status 1 (use the vendor).
 """
 
 

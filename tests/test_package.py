@@ -222,6 +222,12 @@ def test_torch_operator_builds_and_checks_its_inputs_without_a_gpu(packaged):
     with FakeTensorMode():
         assert torch.ops.hgemm.linear(torch.empty(7, 512, dtype=torch.float16),
                                       torch.empty(256, 512, dtype=torch.float16)).shape == (7, 256)
+    # what torch.compile's tracing does: the op lands in the graph with its output's shape
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(lambda a, b: torch.ops.hgemm.linear(a, b).relu(), tracing_mode="fake")(
+        torch.empty(9, 512, dtype=torch.float16), torch.empty(256, 512, dtype=torch.float16))
+    assert "hgemm.linear" in str(graph.code)
     with pytest.raises(RuntimeError, match="must be float16"):
         torch.ops.hgemm.linear(x.float(), w)
     with pytest.raises(RuntimeError, match="in_features"):

@@ -34,12 +34,22 @@ from tuner.api.run import (
     measuring,
     split_list,
 )
-from tuner.api.tuning import confirm, confirm_best, join_study, nearest_tuned, sweep, tune_shape
+from tuner.api.tuning import (
+    confirm,
+    confirm_best,
+    join_study,
+    nearest_tuned,
+    rank_check,
+    rank_for,
+    sweep,
+    tune_shape,
+)
 
 __all__ = [
     "BACKENDS", "DEFAULT_STORAGE", "Build", "Listener", "Options", "SweepResult", "TuneResult", "bench",
     "bench_model", "check_package", "catalogue_build", "catalogue_jobs", "check_entries", "check_family_names",
     "confirm", "confirm_best", "export",
-    "families_for", "join_study", "make_backend", "measuring", "nearest_tuned", "package", "prebuild", "split_list",
+    "families_for", "join_study", "make_backend", "measuring", "nearest_tuned", "package", "prebuild", "rank_check",
+    "rank_for", "split_list",
     "sweep", "tune_shape",
 ]

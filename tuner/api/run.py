@@ -51,6 +51,9 @@ class Options:
     confirm_runs: int = 3
     runs_dir: Path = Path("runs")       # exports, worker logs
     catalogue: Path | None = None       # a kernel catalogue: checked, loaded into the compile cache, tried first
+    # How many of the catalogue's configs, ranked for the shape (tuner.search.rank), a fresh study
+    # times before the sampler's own proposals; None: all of them, in ranked order.
+    catalogue_top: int | None = None
     # The timing regime whose time the search minimizes (sustained, isolated); None: a joined study's own.
     objective: str | None = SUSTAINED
 
@@ -66,6 +69,10 @@ class Options:
             raise UserError("--backend replay needs --replay FILE (a file of recorded GPU measurements)")
         if self.objective is not None:  # an older name (offline, server) becomes the regime's
             self.objective = check_objective(self.objective)
+        if self.catalogue_top is not None and self.catalogue is None:
+            raise UserError("--catalogue-top needs --catalogue FILE (the catalogue whose ranked configs are tried)")
+        if self.catalogue_top is not None and self.catalogue_top < 0:
+            raise UserError(f"--catalogue-top {self.catalogue_top}: must be >= 0 (0: enqueue no catalogue config)")
         if self.trials < 0 or self.confirm_top < 0 or self.confirm_runs < 1:
             raise UserError("--trials and --confirm must be >= 0 and --confirm-runs >= 1")
 

@@ -38,15 +38,16 @@ from tuner.search import (
     existing_study,
     load_studies,
     measured_trials,
-    nearest_winners,
     open_storage,
     study_name,
 )
 from tuner.search import confirm as confirm_study
 from tuner.search.compile_queue import hang_timeout_s
+from tuner.search.rank import NEAR_BEST_PLACES, Candidate, RankQuality, rank_catalogue, rank_quality
 from tuner.search.records import StudyMeta, confirm_record, mark_sweep_done, sweep_done_trials
+from tuner.search.sampler import NearPick, nearest_picks
 from tuner.search.studies import best_trial
-from tuner.space import Shape, Space, load_space, parse_shape
+from tuner.space import Shape, Space, Target, load_space, parse_shape
 
 DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
 BACKENDS = ("gpu", "replay")
@@ -66,15 +67,28 @@ def _search(space: Space, fams: list[str], shape: Shape, be: Backend, pool: Comp
     listener.search(label, trials)
     recorder = (lambda req, m: record_measurement(record, req, m)) if record else None
     held: dict[str, str] = {}
+    ranking: dict[str, Candidate] = {}
     if catalogue is not None:
-        warm_start = [(f, c) for f, c in catalogue.configs(fams, opts.accumulate)
-                      if _in_space(space, f, c)] + (warm_start or [])
+        ranked = rank_for(space, catalogue, fams, shape, be.target, opts)
+        ranking = {c.key: c for c in ranked}
+        top = ranked if opts.catalogue_top is None else ranked[:opts.catalogue_top]
+        warm_start = [(c.family, c.config) for c in top] + (warm_start or [])
         held = {k.source_hash: catalogue.digest[:16] for k in catalogue.kernels}
     search = Search(space, fams, shape, be, trials=trials, storage=opts.storage, sampler=opts.sampler, name=name,
                     seed=opts.seed, pool=pool, eval_timeout_s=hang_timeout_s(baselines["cublas"]),
                     recorder=recorder, warm_start=warm_start, patience=patience, accumulate=opts.accumulate,
-                    catalogue=held, objective=objective)
+                    catalogue=held, objective=objective, ranking=ranking)
     return search.run(timeout_s, listener.trial)
+
+
+def rank_for(space: Space, catalogue: Catalogue, fams: list[str], shape: Shape, target: Target,
+             opts: Options) -> list[Candidate]:
+    """The catalogue's configs of these families, ranked for the shape (tuner.search.rank): the
+    cost model, and the winners and near-best configs of the nearest tuned shapes in the storage.
+    Configs the space no longer has, or whose constraints reject the shape, are left out."""
+    configs = [(f, c) for f, c in catalogue.configs(fams, opts.accumulate) if _in_space(space, f, c)]
+    return rank_catalogue(space, configs, shape, target,
+                          tuned_neighbours(opts.storage, shape, fams, top=NEAR_BEST_PLACES)).candidates
 
 
 def _in_space(space: Space, family: str, config: dict) -> bool:
@@ -281,11 +295,17 @@ def load_catalogue(opts: Options, space: Space, arch: str, cache_dir: Path | Non
 
 def nearest_tuned(storage: str, shape: Shape, families: list[str]) -> list[tuple[str, dict]]:
     """The winners of the nearest tuned shapes in the storage (none when it holds nothing yet)."""
+    return [(p.family, p.config) for p in tuned_neighbours(storage, shape, families)]
+
+
+def tuned_neighbours(storage: str, shape: Shape, families: list[str], top: int = 1) -> list[NearPick]:
+    """The `top` best configs per family of the nearest tuned shapes in the storage, with their
+    shape, distance and place (none when it holds nothing yet)."""
     try:
         studies = load_studies(storage)
     except UserError:
         return []
-    return nearest_winners(studies, shape, families)
+    return nearest_picks(studies, shape, families, top=top)
 
 
 def confirm(storage: str, study: str, opts: Options, listener: Listener | None = None) -> dict[str, Any] | None:
@@ -297,3 +317,12 @@ def confirm(storage: str, study: str, opts: Options, listener: Listener | None =
     with measuring(be, opts.jobs) as pool:
         confirm_best(space, st, be, pool, opts, listener)
     return confirm_record(st)
+
+
+def rank_check(storage: str, top: int = 5, studies: list[str] | None = None) -> list[RankQuality]:
+    """How well the catalogue ranking predicted each study's measured order (tuner.search.rank):
+    one row per study that timed ranked catalogue candidates, read-only."""
+    if top < 1:
+        raise UserError(f"--top {top}: must be >= 1")
+    found = load_studies(storage, studies, read_only=True)
+    return [q for st in found for q in [rank_quality(st, top)] if q is not None]

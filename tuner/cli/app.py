@@ -5,6 +5,7 @@ function) and prints. No tuning logic lives here.
     hgemm-tune sweep --shapes subgrid27                # every shape of a list in the space file
     hgemm-tune bench runs/sweep.json --repeats 3       # re-verify and time an export vs the vendors
     hgemm-tune catalogue build --seeds-for 4096x4096x8192   # compile kernels into one file, no GPU
+    hgemm-tune rank-check                              # how well the catalogue ranking predicted the times
     hgemm-tune doctor                                  # GPU, arch, nvcc, headers, space, templates
 """
 
@@ -19,8 +20,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="Find, verify and export the fastest fp16 GEMM kernel per shape on your NVIDIA GPU.")
 
 for command in (tuning.tune, tuning.worker, tuning.sweep, studies.record, studies.render, studies.show,
-                studies.studies, studies.export, results.report, results.bench, results.prebuild, results.package,
-                results.check_package, results.bench_model,
+                studies.studies, studies.rank_check, studies.export, results.report, results.bench, results.prebuild,
+                results.package, results.check_package, results.bench_model,
                 tools.propose, tools.proposals, tools.doctor):
     app.command(help=results.BENCH_HELP if command is results.bench else None)(command)
 app.add_typer(results.catalogue_app, name="catalogue")

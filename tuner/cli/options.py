@@ -40,6 +40,13 @@ Catalogue = Annotated[Path | None, typer.Option(
     "--catalogue", help="Kernel catalogue (`hgemm-tune catalogue build`): verified, refused if built with another "
                         "nvcc, CUTLASS, arch or template, loaded into the compile cache; a fresh study tries its "
                         "configs first (no nvcc).")]
+CatalogueTop = Annotated[int | None, typer.Option(
+    "--catalogue-top", min=0,
+    help="With --catalogue: a fresh study first times the catalogue's N best configs for its shape (no nvcc), "
+         "ranked by a cost model (tiles, waves over the SMs, split-K, roofline) and by the winners of the nearest "
+         "tuned shapes in --storage; then the sampler compiles new configs. Default: every catalogue config, "
+         "ranked; 0: none (the catalogue only fills the compile cache). `hgemm-tune rank-check` shows how well "
+         "the ranking predicted the measured order.")]
 CatalogueOut = Annotated[Path, typer.Option("-o", "--output", help="The catalogue file to write (a zip); when "
                                                                   "it exists, its kernels are kept, not rebuilt.")]
 Update = Annotated[Path | None, typer.Option(

@@ -143,6 +143,40 @@ def studies(storage: o.Storage = o.DEFAULT_STORAGE) -> None:
     out_console.print(table)
 
 
+def rank_check(
+    storage: Annotated[str, typer.Argument(help="Optuna storage URL holding the studies.")] = o.DEFAULT_STORAGE,
+    top: Annotated[int, typer.Option("--top", min=1, help="Was the measured fastest among the predicted top N?")
+                   ] = 5,
+    study: Annotated[list[str] | None, typer.Option(help="Only these studies (default: all).")] = None,
+) -> None:
+    """How well the catalogue ranking (`tune`/`sweep --catalogue`) predicted what was measured, per
+    study that timed ranked catalogue candidates: the measured place of the predicted #1, the
+    Spearman rank correlation of predicted order and measured times (1: perfect, 0: none), and
+    whether the measured fastest was in the predicted top N. To measure the whole ranking, let a
+    study time every candidate (default --catalogue-top, --trials at least the catalogue's size)."""
+    from tuner import api
+
+    rows = api.rank_check(storage, top, study or None)
+    if not rows:
+        raise UserError(f"storage {storage} holds no study with ranked catalogue trials "
+                        "(run tune or sweep with --catalogue)")
+    simulated = any(q.simulated for q in rows)
+    table = Table("shape", "study", "ranked", "measured", "predicted #1 measured", "Spearman", f"best in top {top}",
+                  "best's rank", title="catalogue ranking vs measured" + ("  [SIMULATED]" if simulated else ""),
+                  caption="measured: ranked candidates verified and timed; predicted #1 measured: its place "
+                          "among them (1: fastest)")
+    for q in rows:
+        inside = {None: "-", True: "yes", False: "[red]no[/]"}[q.best_in_top]
+        table.add_row(q.shape + (" [SIMULATED]" if q.simulated else ""), q.study, str(q.ranked), str(q.measured),
+                      "-" if q.first_place is None else f"{q.first_place} of {q.measured}",
+                      fmt(q.spearman, "+.2f"), inside, "-" if q.best_rank is None else str(q.best_rank))
+    out_console.print(table)
+    hits = [q.best_in_top for q in rows if q.best_in_top is not None]
+    if hits:
+        console.print(f"measured fastest within the predicted top {top}: {sum(hits)} of {len(hits)} studies"
+                      + ("  [SIMULATED: replayed measurements]" if simulated else ""))
+
+
 def export(
     storage: Annotated[str, typer.Argument(help="Optuna storage URL holding the studies.")] = o.DEFAULT_STORAGE,
     output: Annotated[Path, typer.Option("-o", "--output", help="JSON file to write.")] = Path("best.json"),

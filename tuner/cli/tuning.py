@@ -47,6 +47,7 @@ def tune(
     confirm: o.Confirm = 3,
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
+    catalogue_top: o.CatalogueTop = None,
     objective: o.Objective = "sustained",
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; confirm the best few
@@ -54,7 +55,8 @@ def tune(
     opts = api.Options(trials=trials, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, timeout_s=timeout, backend=backend, replay=replay, arch=arch,
                        gpu=gpu, jobs=jobs, record=record, accumulate=accumulate, confirm_top=confirm,
-                       confirm_runs=confirm_runs, catalogue=catalogue, objective=objective)
+                       confirm_runs=confirm_runs, catalogue=catalogue, catalogue_top=catalogue_top,
+                       objective=objective)
     try:
         with CliListener() as listener:
             res = api.tune_shape(shape, opts, listener, study=study, output=output, workers=workers)
@@ -129,6 +131,7 @@ def sweep(
     confirm: o.Confirm = 3,
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
+    catalogue_top: o.CatalogueTop = None,
     objective: o.Objective = "sustained",
 ) -> None:
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable;
@@ -139,7 +142,7 @@ def sweep(
     opts = api.Options(trials=trials_per_shape, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
                        accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs, catalogue=catalogue,
-                       objective=objective)
+                       catalogue_top=catalogue_top, objective=objective)
     try:
         with CliListener(sweep=True) as listener:
             res = api.sweep(opts, shapes, time_per_shape=time_per_shape,

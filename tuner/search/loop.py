@@ -29,6 +29,7 @@ from tuner.measure.regimes import SUSTAINED
 from tuner.search.compile_queue import Pending, finish, prepare
 from tuner.search.interrupts import INTERRUPTS
 from tuner.search.owners import this_process
+from tuner.search.rank import Candidate
 from tuner.search.records import Status, StudyMeta, TrialRecord, mark_owner, mark_telling
 from tuner.search.sampler import (
     EXPLORE_AFTER,
@@ -76,7 +77,7 @@ class Search:
                  pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
                  recorder: Recorder | None = None, warm_start: list[tuple[str, dict[str, Any]]] | None = None,
                  patience: int | None = None, accumulate: str = "fp32", catalogue: dict[str, str] | None = None,
-                 objective: str = SUSTAINED):
+                 objective: str = SUSTAINED, ranking: dict[str, Candidate] | None = None):
         self.families: list[Family] = [space.family(n) for n in family_names]
         check_accumulate(space, family_names, accumulate)
         objective = check_objective(objective)
@@ -85,6 +86,7 @@ class Search:
         self.eval_timeout_s, self.recorder = eval_timeout_s, recorder
         self.patience, self.accumulate, self.objective = patience, accumulate, objective
         self.catalogue = catalogue or {}  # source hash -> digest of the kernel catalogue holding it
+        self.ranking = ranking or {}  # config key -> its place in the catalogue ranking for this shape
         self.backing = open_storage(storage)
         self.owner = this_process()
         name = name or study_name(shape, self.families, backend.target.arch, accumulate=accumulate,
@@ -208,6 +210,10 @@ class Search:
                 p = prepare(fam, config, self.shape, self.backend, self.pool, self.accumulate, self.objective)
                 p.trial = trial
                 p.record.catalogue = self.catalogue.get(p.record.source_hash, "")
+                ranked = self.ranking.get(config_key(fam.name, p.record.config))
+                if ranked is not None:  # kept with the trial: the model is checked against its time
+                    p.record.catalogue_rank, p.record.predicted_us = ranked.rank, ranked.predicted_us
+                    p.record.predicted_variant = dict(ranked.variant)
                 if p.record.status == Status.INVALID:
                     tell(self.study, trial, p.record)
                     self.progress.invalid += 1

@@ -84,6 +84,13 @@ class TrialRecord:
     # The digest of the kernel catalogue that holds this trial's kernel ("" when none does): with
     # `cached`, its binary came from the catalogue and cost no nvcc time.
     catalogue: str = ""
+    # Where the catalogue ranking (tuner.search.rank) put this config for this shape: its place
+    # (1 = predicted fastest), the predicted time and the run-time variant predicted best. None
+    # and {} when the config was not a ranked catalogue candidate. Kept so that the model can be
+    # checked against the measured times (`hgemm-tune rank-check`).
+    catalogue_rank: int | None = None
+    predicted_us: float | None = None
+    predicted_variant: dict[str, Any] = field(default_factory=dict)
     # Read back only: the trial's number and value (its time in us when COMPLETE).
     number: int | None = field(default=None, compare=False)
     value: float | None = field(default=None, compare=False)

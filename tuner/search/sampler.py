@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -15,7 +16,7 @@ from tuner.errors import UserError
 from tuner.measure import config_key
 from tuner.measure.regimes import ALIASES, OBJECTIVES, SUSTAINED
 from tuner.search.records import UNMEASURED_FAILS, Status, StudyMeta, TrialRecord
-from tuner.search.studies import best_per_family
+from tuner.search.studies import best_per_family, ranked_per_family
 from tuner.space import Family, Shape, Space, parse_shape
 
 SAMPLERS = ("tpe", "random", "gp", "cmaes", "grid")
@@ -182,10 +183,23 @@ def check_accumulate(space: Space, family_names: list[str], accumulate: str) -> 
                         f"(families that do: {', '.join(able) or 'none'})")
 
 
-def nearest_winners(studies: list[optuna.Study], shape: Shape, families: list[str],
-                    k: int = 2) -> list[tuple[str, dict]]:
-    """Best config per family of the k nearest tuned shapes (distance: sum of |log2| ratios):
-    what a sweep tries first on a fresh shape."""
+@dataclass(frozen=True)
+class NearPick:
+    """A verified config of a nearby tuned shape: what a fresh shape tries first, and evidence
+    for ranking a catalogue (tuner.search.rank)."""
+
+    family: str
+    config: dict[str, Any]   # compile-time knobs
+    shape: str               # the tuned shape it was measured at
+    distance: float          # sum of |log2| ratios of M, N, K to the shape asked about
+    place: int               # 1: that study's best of its family, 2: the next distinct config, ...
+    time_us: float
+
+
+def nearest_picks(studies: list[optuna.Study], shape: Shape, families: list[str], k: int = 2,
+                  top: int = 1) -> list[NearPick]:
+    """The `top` best distinct configs per family of the k nearest tuned shapes (distance: sum
+    of |log2| ratios), nearest shape first, best first."""
     scored = []
     for st in studies:
         try:
@@ -197,9 +211,21 @@ def nearest_winners(studies: list[optuna.Study], shape: Shape, families: list[st
         o = parse_shape(meta.shape)
         dist = sum(abs(math.log2(a / b)) for a, b in ((o.M, shape.M), (o.N, shape.N), (o.K, shape.K)))
         scored.append((dist, st))
-    seeds: list[tuple[str, dict]] = []
-    for _, st in sorted(scored, key=lambda x: x[0])[:k]:
-        for fam, t in best_per_family(st).items():
+    picks: list[NearPick] = []
+    for dist, st in sorted(scored, key=lambda x: x[0])[:k]:
+        meta_shape = StudyMeta.of(st).shape
+        # top 1 keeps best_per_family's order: what a sweep enqueued before the ranking existed
+        best = ({fam: [t] for fam, t in best_per_family(st).items()} if top == 1
+                else ranked_per_family(st, top))
+        for fam, trials in best.items():
             if fam in families:
-                seeds.append((fam, TrialRecord.of(t).config))
-    return seeds
+                for place, t in enumerate(trials, 1):
+                    picks.append(NearPick(fam, TrialRecord.of(t).config, meta_shape, dist, place, float(t.value)))
+    return picks
+
+
+def nearest_winners(studies: list[optuna.Study], shape: Shape, families: list[str],
+                    k: int = 2) -> list[tuple[str, dict]]:
+    """Best config per family of the k nearest tuned shapes (distance: sum of |log2| ratios):
+    what a sweep tries first on a fresh shape."""
+    return [(p.family, p.config) for p in nearest_picks(studies, shape, families, k)]

@@ -117,6 +117,21 @@ def best_per_family(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:
     return out
 
 
+def ranked_per_family(study: optuna.Study, top: int) -> dict[str, list[optuna.trial.FrozenTrial]]:
+    """Per family, its `top` fastest current trials of distinct compile configs, fastest first
+    (a config measured twice counts once, at its best)."""
+    out: dict[str, list[optuna.trial.FrozenTrial]] = {}
+    seen: set[str] = set()
+    for t in sorted(current_ok(study.get_trials(deepcopy=False), study_gpu(study)), key=lambda t: t.value):
+        rec = TrialRecord.of(t)
+        key = config_key(rec.family, rec.config)
+        if key in seen or len(out.get(rec.family, [])) >= top:
+            continue
+        seen.add(key)
+        out.setdefault(rec.family, []).append(t)
+    return out
+
+
 def current_best(study: optuna.Study, gpu: str | None) -> tuple[float | None, float | None]:
     """(time in us, TFLOP/s) of the study's best trial that still describes its code on this GPU
     model (`current_ok`)."""

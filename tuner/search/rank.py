@@ -1,0 +1,285 @@
+"""Ranking a kernel catalogue for one shape: which compiled configs a fresh study times first.
+
+A catalogue's kernels cost no nvcc ([0034](../../docs/decisions/0034-kernel-catalogue.md)), so
+the cheapest useful trials of a fresh study are its best few catalogue kernels, each timed at
+every run-time variant. With a small trial budget the order matters: catalogue order would
+time whatever configs happen to be first. `rank_catalogue` orders them by two signals
+([0037](../../docs/decisions/0037-catalogue-ranking.md)):
+
+* an analytic cost model (`predict_us`): output tiles, waves over the SMs with cluster
+  rounding, per-tile k-steps at the lower of the compute and L2-feed rates, split-K/stream-K,
+  a fixed launch cost and the DRAM floor. It is meant to order configs, not to be accurate;
+* nearby tuned shapes (`NearPick`, from the same storage): a config that won, or was near the
+  best, at the nearest tuned shapes has its predicted time discounted, since a measurement at
+  a near shape is better evidence than the model.
+
+`rank_quality` checks the ranking against what a study then measured (`hgemm-tune rank-check`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+
+from tuner.measure import config_key
+from tuner.search.records import StudyMeta, TrialRecord
+from tuner.search.sampler import NearPick, full_config
+from tuner.search.studies import current_ok, study_gpu
+from tuner.space import Family, Shape, Space, Target
+
+# ---- the cost model's constants (round figures for H100/H200; they only need to order configs)
+
+LAUNCH_US = 4.0          # launch plus a persistent kernel's prologue (3-5 us measured on H100)
+L2_TBS = 10.0            # aggregate L2-to-SM bandwidth, TB/s: feeds each tile's operands
+TILE_OVERHEAD_US = 0.6   # per output tile: pipeline fill and epilogue store
+# The share of the dense tensor-core peak each family's MMA path reaches at best: wgmma (Hopper),
+# mma.sync (Ampere-style, ~2/3 of wgmma's rate on Hopper), wmma (no swizzled pipeline). A
+# family the model does not know (a proposer's) gets the middle.
+FAMILY_PEAK = {"cute_sm90": 0.85, "cute_sm80": 0.55, "wmma": 0.35}
+OTHER_PEAK = 0.5
+SM_SMEM = 233472         # shared memory per SM (228 KB on Hopper): how many small CTAs fit at once
+SM_THREADS = 2048
+
+# ---- the neighbour signal: a measured time at a near shape beats the model, so a config that
+# won a nearby shape ranks as if 20% faster than predicted, one that was near its best (2nd or
+# 3rd) as if 10% faster. Multiplicative: a winner still ranks below a config the model predicts
+# much faster (a 64-row winner at M = 64 does not lead at M = 8192).
+WINNER_CREDIT = 0.8
+NEAR_BEST_CREDIT = 0.9
+NEAR_BEST_PLACES = 3
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How one config cuts the problem: what the cost model reads of a config."""
+
+    m: int
+    n: int
+    k: int
+    cluster_m: int = 1
+    cluster_n: int = 1
+    splits: int = 1            # split-K parts per output tile
+    stream_k: bool = False     # k-iterations spread evenly over the SMs
+    deterministic: bool = True  # partials added in k order (each split waits for the one before)
+    pingpong: bool = False     # one warpgroup's epilogue under the other's MMAs
+    ctas_per_sm: int = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One catalogue config, ranked for a shape."""
+
+    family: str
+    config: dict[str, Any]       # compile-time knobs
+    variant: dict[str, Any]      # the run-time knob values predicted fastest (every one is timed)
+    predicted_us: float          # the cost model's time at that variant
+    score_us: float              # predicted_us after the neighbour credit: what orders candidates
+    evidence: str                # why the credit ("won 4096x4096x8192"), "" when none
+    rank: int                    # 1: tried first
+
+    @property
+    def key(self) -> str:
+        return config_key(self.family, self.config)
+
+
+@dataclass
+class Ranking:
+    candidates: list[Candidate]
+    dropped: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)  # (family, config, why)
+
+
+def tile_of(fam: Family, full: dict[str, Any], shape: Shape, target: Target) -> Tile | None:
+    """The tiling of a full config (compile and run-time knobs); None for a family without tile knobs."""
+    if {"TILE_M", "TILE_N", "TILE_K"} <= set(full):  # cute_sm90: one persistent CTA per SM
+        decomp = str(full.get("DECOMP", "data_parallel"))
+        splits = int(decomp.split("_")[1]) if decomp.startswith("split_") else 1
+        return Tile(full["TILE_M"], full["TILE_N"], full["TILE_K"], int(full.get("CLUSTER_M", 1)),
+                    int(full.get("CLUSTER_N", 1)), splits, decomp == "stream_k",
+                    full.get("REDUCTION", "deterministic") == "deterministic", full.get("SCHEDULE") == "pingpong")
+    if {"BM", "BN", "BK"} <= set(full):  # cubin families: as many CTAs per SM as smem and threads allow
+        env = fam.env(full, shape, target)
+        smem, threads = int(env.get("smem_bytes", 0) or 0), int(env.get("threads", 128) or 128)
+        fit = min(SM_SMEM // smem if smem else 8, SM_THREADS // max(threads, 1), 8)
+        return Tile(full["BM"], full["BN"], full["BK"], ctas_per_sm=max(fit, 1))
+    return None
+
+
+def predict_us(tile: Tile | None, family: str, shape: Shape, target: Target) -> float:
+    """Predicted time of one kernel: launch + max(mainloop over waves, DRAM floor)."""
+    M, N, K = shape.M, shape.N, shape.K
+    bandwidth = target.bandwidth_gbs * 1e3  # bytes per us
+    dram_us = 2 * (M * K + N * K + M * N) / bandwidth  # each operand read once, C written once
+    peak = FAMILY_PEAK.get(family, OTHER_PEAK) * target.peak_tflops * 1e6  # flop per us, whole GPU
+    if tile is None:  # nothing to model: the roofline at the family's rate
+        return LAUNCH_US + max(2 * M * N * K / peak, dram_us)
+    sms = target.sm_count
+    # Output tiles, the grid rounded up to whole clusters; a tail tile computes its full size
+    # (padding waste) but TMA/cp.async read only the rows that exist.
+    tiles_m = math.ceil(math.ceil(M / tile.m) / tile.cluster_m) * tile.cluster_m
+    tiles_n = math.ceil(math.ceil(N / tile.n) / tile.cluster_n) * tile.cluster_n
+    tiles = tiles_m * tiles_n
+    k_iters = math.ceil(K / tile.k)
+    # CTAs resident at once: clusters take whole groups of SMs.
+    group = tile.cluster_m * tile.cluster_n
+    slots = max((sms // group) * group, 1) * tile.ctas_per_sm
+    # One k-step of one CTA: its MMAs at the SM's share of the peak, or the operand tiles at its
+    # share of L2 bandwidth, whichever is slower. A cluster multicasts A along N and B along M.
+    # Narrow tiles issue narrow MMAs (wgmma n64 runs below n256): TN / (TN + 16).
+    sm_rate = peak / sms * tile.n / (tile.n + 16)
+    rows, cols = min(tile.m, M), min(tile.n, N)
+    feed = 2 * tile.k * (rows / tile.cluster_n + cols / tile.cluster_m)
+    step_us = max(2 * tile.m * tile.n * tile.k / sm_rate, feed / (L2_TBS * 1e6 / sms)) * tile.ctas_per_sm
+    overhead = TILE_OVERHEAD_US / (2 if tile.pingpong else 1)
+    # A split's partial tile goes to the workspace and is read back (fp32): in k order the splits
+    # also wait on each other, about half of them in turn.
+    fixup = 2 * 4 * tile.m * tile.n / (L2_TBS * 1e6 / sms)
+    if tile.stream_k:
+        # Every tile's k-iterations spread evenly over the slots: no wave tail, one partial
+        # tile to fix up per CTA where tiles do not divide evenly.
+        per_cta = math.ceil(tiles * k_iters / slots)
+        mainloop = per_cta * step_us + (math.ceil(tiles / slots) + 1) * overhead + (fixup if tiles % slots else 0)
+    else:
+        units = tiles * tile.splits
+        waves = math.ceil(units / slots)  # the last wave may leave SMs idle: quantization
+        unit = math.ceil(k_iters / tile.splits) * step_us + overhead
+        if tile.splits > 1:
+            unit += fixup * (tile.splits / 2 if tile.deterministic else 1)
+        mainloop = waves * unit
+    return LAUNCH_US + max(mainloop, dram_us)
+
+
+def _credit(picks: list[NearPick], family: str, config: dict[str, Any]) -> tuple[float, str]:
+    best = (1.0, "")
+    for p in picks:
+        if p.family != family or p.config != config:
+            continue
+        if p.place == 1:
+            return WINNER_CREDIT, f"won {p.shape}"
+        if p.place <= NEAR_BEST_PLACES and best[0] > NEAR_BEST_CREDIT:
+            best = (NEAR_BEST_CREDIT, f"#{p.place} at {p.shape}")
+    return best
+
+
+def _default_distance(fam: Family, variant: dict[str, Any]) -> int:
+    return sum(1 for k, v in variant.items() if fam.knobs[k].default != v)
+
+
+def rank_catalogue(space: Space, configs: list[tuple[str, dict[str, Any]]], shape: Shape, target: Target,
+                   neighbours: list[NearPick] | None = None) -> Ranking:
+    """The configs (family, compile config), ranked for this shape: configs whose constraints
+    reject the shape are dropped, each other one is predicted at its fastest valid run-time
+    variant, discounted by the neighbour evidence, and sorted. Deterministic: ties keep
+    catalogue order."""
+    picks = neighbours or []
+    scored: list[tuple[float, float, int, Candidate]] = []
+    dropped: list[tuple[str, dict[str, Any], str]] = []
+    seen: set[str] = set()
+    for i, (name, config) in enumerate(configs):
+        fam = space.family(name)
+        key = config_key(name, config)
+        if key in seen:
+            continue
+        seen.add(key)
+        full = full_config(fam, config)
+        why = fam.violations(full, shape, target)  # as the search rejects it (compile_queue.prepare)
+        if why:
+            dropped.append((name, dict(config), "; ".join(why)))
+            continue
+        # Run-time variants the model cannot tell apart (raster, swizzle) predict the same time;
+        # among those the one nearest the defaults is named.
+        best: tuple[float, int, int, dict[str, Any]] | None = None
+        memo: dict[Tile | None, float] = {}
+        for j, v in enumerate(fam.runtime_variants() or [{}]):
+            if v and fam.violations(full | v, shape, target):
+                continue
+            tile = tile_of(fam, full | v, shape, target)
+            if tile not in memo:
+                memo[tile] = predict_us(tile, name, shape, target)
+            cand = (memo[tile], _default_distance(fam, v), j, v)
+            if best is None or cand[:3] < best[:3]:
+                best = cand
+        if best is None:
+            dropped.append((name, dict(config), "no run-time variant passes the constraints"))
+            continue
+        credit, evidence = _credit(picks, name, fam.compile_config(full))
+        score = best[0] * credit
+        scored.append((score, best[0], i, Candidate(name, fam.compile_config(full), best[3], round(best[0], 3),
+                                                    round(score, 3), evidence, 0)))
+    scored.sort(key=lambda s: s[:3])
+    ranked = [Candidate(c.family, c.config, c.variant, c.predicted_us, c.score_us, c.evidence, r)
+              for r, (*_, c) in enumerate(scored, 1)]
+    return Ranking(ranked, dropped)
+
+
+# ---- how good the ranking was ----------------------------------------------------------------
+
+@dataclass
+class RankQuality:
+    """A study's ranked catalogue candidates against what it measured."""
+
+    study: str
+    shape: str
+    simulated: bool
+    measured: int                 # ranked candidates verified and timed
+    ranked: int                   # ranked candidates with any trial (measured or not)
+    first_place: int | None       # measured place (1: fastest) of the predicted #1; None: not measured
+    spearman: float | None        # rank correlation of predicted order and measured times (>= 3 measured)
+    best_rank: int | None         # predicted rank of the measured fastest candidate
+    top: int
+
+    @property
+    def best_in_top(self) -> bool | None:
+        return None if self.best_rank is None else self.best_rank <= self.top
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties take their average rank); None below 3 points or when
+    one side is constant."""
+    if len(xs) != len(ys) or len(xs) < 3:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return cov / math.sqrt(vx * vy) if vx and vy else None
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def rank_quality(study: optuna.Study, top: int = 5) -> RankQuality | None:
+    """How the ranking recorded in a study's trials (`TrialRecord.catalogue_rank`) compares with
+    the times it measured; None for a study with no ranked catalogue trial. Spearman is taken
+    between the predicted order (rank, i.e. the credited predicted time) and the measured times,
+    over the candidates that verified; only current trials count (`current_ok`)."""
+    trials = study.get_trials(deepcopy=False)
+    ranked = {r.catalogue_rank for t in trials if t.state.is_finished()
+              for r in [TrialRecord.of(t)] if r.catalogue_rank is not None}
+    if not ranked:
+        return None
+    times: dict[int, float] = {}
+    for t in current_ok(trials, study_gpu(study)):
+        rec = TrialRecord.of(t)
+        if rec.catalogue_rank is not None and rec.time_us is not None:
+            times[rec.catalogue_rank] = min(rec.time_us, times.get(rec.catalogue_rank, math.inf))
+    meta = StudyMeta.of(study)
+    order = sorted(times, key=lambda r: (times[r], r))  # measured fastest first
+    return RankQuality(
+        study=study.study_name, shape=meta.shape, simulated=meta.simulated, measured=len(times), ranked=len(ranked),
+        first_place=order.index(1) + 1 if 1 in times else None,
+        spearman=spearman([float(r) for r in times], list(times.values())),
+        best_rank=order[0] if order else None, top=top)

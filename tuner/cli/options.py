@@ -39,7 +39,7 @@ ConfirmRuns = Annotated[int, typer.Option("--confirm-runs", min=1, help="Fresh w
 Catalogue = Annotated[Path | None, typer.Option(
     "--catalogue", help="Kernel catalogue (`hgemm-tune catalogue build`): verified, refused if built with another "
                         "nvcc, CUTLASS, arch or template, loaded into the compile cache; a fresh study tries its "
-                        "configs first (no nvcc).")]
+                        "configs first (no nvcc), ranked for its shape (--catalogue-top).")]
 CatalogueTop = Annotated[int | None, typer.Option(
     "--catalogue-top", min=0,
     help="With --catalogue: a fresh study first times the catalogue's N best configs for its shape (no nvcc), "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,10 +50,16 @@ def test_interrupted_sweep_resumes_without_repeating_or_losing(tmp_path):
     assert {e["shape"] for e in data["entries"]} == shapes and data["simulated"]
     # The summary names the export's pick: ours only where it beat cuBLAS.
     ours = sum(e["pick"] != "cublas" for e in data["entries"])
-    assert f"our kernel is the pick for {ours} of {len(shapes)} shapes" in " ".join((res.stdout + res.stderr).split())
+    text = " ".join((res.stdout + res.stderr).split())
+    assert f"our kernel is the pick for {ours} of {len(shapes)} shapes" in text
+    # The resumed run's own work and rates: the shapes it searched and the trials it added.
+    added = sum(len(after[s]) - len(before.get(s, [])) for s in shapes)
+    rates = re.search(r"this run: (\d+) shapes searched, (\d+) trials measured in \d+ s \(([\d.]+) shapes/min", text)
+    assert rates and int(rates.group(2)) == added and float(rates.group(3)) > 0, text
     # A finished sweep re-run does no work.
     again = subprocess.run(sweep_args(tmp_path, 10), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and measured(tmp_path) == after
+    assert "this run:" not in again.stdout + again.stderr
 
 
 def test_warm_start_seeds_from_nearest_tuned_shape(tmp_path):

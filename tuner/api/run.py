@@ -123,6 +123,14 @@ class SweepResult:
     files: list[Path]
     shapes: int                   # shapes the lists named
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (shape, why)
+    seconds: float = 0.0          # wall time of this run, confirmation included
+    searched: int = 0             # shapes this run searched (not finished in an earlier one)
+    new_trials: int = 0           # trials this run measured
+
+    def rates(self) -> tuple[float, float]:
+        """(shapes/min, trials/min) of this run's own work."""
+        minutes = self.seconds / 60 if self.seconds > 0 else float("nan")
+        return self.searched / minutes, self.new_trials / minutes
 
 
 # ---- set-up ----------------------------------------------------------------------------

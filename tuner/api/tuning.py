@@ -229,8 +229,10 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
         raise UserError(f"{space.path}: no shape list {missing[0]!r}; lists: {', '.join(space.shapes) or 'none'}")
     todo = sorted(dict.fromkeys(s for n in shape_lists for s in space.shapes[n]), key=lambda s: (s.flops, str(s)))
     backing, be, fams, cat = _start(space, opts, output)
-    deadline = time.perf_counter() + budget_s if budget_s else None
+    started = time.perf_counter()
+    deadline = started + budget_s if budget_s else None
     done, skipped = [], []
+    searched, new_trials = 0, 0   # this run's own work, for its rates (a resumed shape adds none)
     with measuring(be, opts.jobs) as pool:
         for i, shp in enumerate(todo):
             if deadline and time.perf_counter() > deadline:
@@ -245,6 +247,7 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
                 continue
             left = deadline - time.perf_counter() if deadline else None
             limit = min(x for x in (time_per_shape, left) if x) if (time_per_shape or left) else None
+            before = evaluated_trials(st) if st is not None else 0
             try:
                 st = _search(space, fams, shp, be, pool, opts, listener, name=name, trials=opts.trials,
                              record=opts.record, warm_start=nearest_tuned(opts.storage, shp, fams),
@@ -252,6 +255,8 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
             except UserError as exc:  # this shape cannot be measured (no baseline): the rest can
                 skipped.append((str(shp), str(exc)))
                 continue
+            searched += 1
+            new_trials += evaluated_trials(st) - before
             if evaluated_trials(st) and not (deadline and time.perf_counter() >= deadline):
                 # Stopped by its count, patience or its own time box: done at this trial budget.
                 mark_sweep_done(st, opts.trials)
@@ -260,7 +265,8 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
         listener.sweep_shape(len(todo), len(todo), None)
     data = export_studies(done)
     files = _write_exports(data, [opts.runs_dir / "sweep.json", *([output] if output else [])], listener)
-    return SweepResult(done, data, files, len(todo), skipped)
+    return SweepResult(done, data, files, len(todo), skipped, seconds=time.perf_counter() - started,
+                       searched=searched, new_trials=new_trials)
 
 
 def _start(space: Space, opts: Options,

@@ -173,5 +173,10 @@ def sweep(
     if picks:
         console.print(f"our kernel is the pick for {ours} of {len(picks)} shapes; cuBLAS for the rest")
     left = res.shapes - len(res.studies) - len(res.skipped)
+    if res.searched:
+        shapes_min, trials_min = res.rates()
+        console.print(f"this run: {res.searched} shapes searched, {res.new_trials} trials measured in "
+                      f"{res.seconds:.0f} s ({shapes_min:.1f} shapes/min, {trials_min:.0f} trials/min, "
+                      "confirmation included)")
     console.print(f"{len(res.studies)} shapes tuned, {len(res.skipped)} skipped, {left} left for a later run; "
                   + (f"JSON: {' and '.join(str(f) for f in res.files)}" if res.files else "no export written"))

@@ -111,3 +111,20 @@ def test_report_writes_plots_from_a_sweep(tmp_path):
         assert png.startswith(b"\x89PNG") and len(png) > 5000, name
     md = (out / "report.md").read_text()
     assert "SIMULATED" in md and "Geomean speedup: cublas:" in md and "8192x8192x8192" in md
+    assert "## By FLOP bucket" in md and "| sustained | 6.9e+10-1.1e+12 |" in md
+
+
+def test_flop_buckets_follow_the_cuda_l2_table():
+    """The report's per-bucket rows: the paper's edges, geomeans of our kernel per baseline,
+    and the share of shapes the vendor keeps."""
+    from tuner.results.report import bucket_rows
+
+    def entry(m, n, k, s, pick="cute_sm90"):
+        return {"M": m, "N": n, "K": k, "family": "cute_sm90", "pick": pick,
+                "speedup": {"cublas": s, "cublaslt": s / 2}}
+
+    rows = bucket_rows({"entries": [entry(64, 64, 64, 1.21), entry(128, 64, 64, 0.81, "cublas"),
+                                    entry(8192, 8192, 8192, 1.0), entry(16384, 16384, 16384, 1.02)]})
+    assert [(r["FLOPs"], r["shapes"]) for r in rows] == [("<1.7e+07", 2), ("6.9e+10-1.1e+12", 1), (">1.1e+12", 1)]
+    assert rows[0]["vs cublas"] == pytest.approx((1.21 * 0.81) ** 0.5) and rows[0]["vendor keeps"] == 0.5
+    assert rows[0]["vs cublaslt"] == pytest.approx((1.21 * 0.81) ** 0.5 / 2) and rows[2]["vendor keeps"] == 0.0

@@ -48,6 +48,46 @@ def frame(data: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# The CUDA-L2 paper's FLOP buckets (2*M*N*K), the form of its results table.
+FLOP_EDGES = (1.7e7, 2.7e8, 4.3e9, 6.9e10, 1.1e12)
+
+
+def flop_bucket(flops: float) -> str:
+    lo = 0.0
+    for hi in FLOP_EDGES:
+        if flops < hi:
+            return f"<{hi:.1e}" if lo == 0 else f"{lo:.1e}-{hi:.1e}"
+        lo = hi
+    return f">{FLOP_EDGES[-1]:.1e}"
+
+
+def bucket_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per regime and FLOP bucket: shapes, the geomean speedup of our best kernel over each
+    baseline (the vendor fallback not counted), and the share of shapes the vendor keeps."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for e in data["entries"]:
+        flops = 2.0 * e["M"] * e["N"] * e["K"]
+        key = (str(e.get("objective") or "sustained"), sum(flops >= h for h in FLOP_EDGES), flop_bucket(flops))
+        groups.setdefault(key, []).append(e)
+    rows = []
+    for (regime, _, label), entries in sorted(groups.items()):
+        bases = sorted({b for e in entries for b in e["speedup"]})
+        row: dict[str, Any] = {"regime": regime, "FLOPs": label, "shapes": len(entries)}
+        for b in bases:
+            row[f"vs {b}"] = geomean([e["speedup"][b] for e in entries if e["speedup"].get(b)])
+        row["vendor keeps"] = sum(e["pick"] != e["family"] for e in entries) / len(entries)
+        rows.append(row)
+    return rows
+
+
+def bucket_markdown(rows: list[dict[str, Any]]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def write_report(data: dict[str, Any], out: Path) -> list[Path]:
     """PNG plots and a markdown table under `out`; returns the files written."""
     require_matplotlib()
@@ -135,7 +175,10 @@ def write_report(data: dict[str, Any], out: Path) -> list[Path]:
     geo = ", ".join(f"{b}: {geomean(list(df[f'speedup.{b}'])) or float('nan'):.3f}x" for b in bases)
     md = out / "report.md"
     try:
-        md.write_text(f"# hgemm-tune report{tag}\n\nGeomean speedup: {geo}\n\n{table}\n")
+        md.write_text(f"# hgemm-tune report{tag}\n\nGeomean speedup: {geo}\n\n"
+                      f"## By FLOP bucket (our best kernel, the vendor fallback not counted; "
+                      f"'vendor keeps': share of shapes whose pick is the vendor)\n\n"
+                      f"{bucket_markdown(bucket_rows(data))}\n\n{table}\n")
     except OSError as exc:
         raise UserError(f"cannot write the report to {md}: {exc.strerror or exc}") from None
     written.append(md)

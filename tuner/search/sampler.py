@@ -14,7 +14,7 @@ import optuna
 
 from tuner.errors import UserError
 from tuner.measure import config_key
-from tuner.measure.regimes import ALIASES, OBJECTIVES, SUSTAINED
+from tuner.measure.regimes import OBJECTIVES, SUSTAINED, canonical
 from tuner.search.records import UNMEASURED_FAILS, Status, StudyMeta, TrialRecord
 from tuner.search.studies import best_per_family, ranked_per_family
 from tuner.space import Family, Shape, Space, parse_shape
@@ -166,8 +166,10 @@ class Claims:
 
 def check_objective(objective: str) -> str:
     """--objective: the regime whose time a search minimizes; one clear line for anything else."""
-    key = str(objective).strip().lower()
-    key = ALIASES.get(key, key)
+    try:
+        key = canonical(objective)
+    except ValueError:
+        key = None
     if key not in OBJECTIVES:
         raise UserError(f"--objective {objective!r}: choose sustained (back-to-back launches, power-capped "
                         "steady state) or isolated (single launches after an idle gap, full clocks)")

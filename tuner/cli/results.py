@@ -272,8 +272,9 @@ def check_package(
     out: Annotated[Path | None, typer.Option("-o", "--out", help="Also write the report as JSON here.")] = None,
 ) -> None:
     """Check a package on this GPU as a program uses it: every M of its layers through the C
-    entry (ctypes) and through torch.ops.hgemm.linear against cuBLAS, a CUDA-graph capture,
-    and the operator's host time per call next to F.linear's. Needs torch with CUDA, not nvcc.
+    entry (ctypes) and through torch.ops.hgemm.linear against cuBLAS, a CUDA-graph capture, a
+    torch.compile of the operator (one graph, dynamic M), and the operator's host time per call
+    next to F.linear's. Needs torch with CUDA, not nvcc. Exit code 1 when any check fails.
 
     Example: [bold]hgemm-tune check-package dist/ --layers 4096x4096,14336x4096[/]"""
     import dataclasses

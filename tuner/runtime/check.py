@@ -5,8 +5,9 @@ through the C entry point (`hgemm_tuned_run`, by ctypes) and through `torch.ops.
 each against an fp32 reference; cuBLAS's fp16 result (`torch.nn.functional.linear`) on the
 same inputs sets the error allowed (twice cuBLAS's own, plus a hair). Rows of the output are
 independent, so one reference of M = m_max rows serves every M (its first M rows). Then a
-CUDA graph captures the operator at a few M and its replay must equal the eager result, and the
-host time per call of the operator is set beside F.linear's (tiny M, where the host is what
+CUDA graph captures the operator at a few M and its replay must equal the eager result,
+`torch.compile` (one graph, dynamic M) must give the eager result too, and the host time per
+call of the operator is set beside F.linear's (tiny M, where the host is what
 one waits for). Needs torch with CUDA; never nvcc or CUTLASS (the report says whether they are
 reachable, so a run that hides them shows it).
 """
@@ -38,6 +39,7 @@ class LayerCheck:
     picks: dict[int, int] = field(default_factory=dict)    # pick id -> Ms it served
     graph_ok: bool = False
     graph_ms: list[int] = field(default_factory=list)
+    compiled: str = ""                    # torch.compile(fullgraph, dynamic) of the operator: "ok" or why not
 
 
 @dataclass
@@ -54,7 +56,7 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return all(not lc.failed_c and not lc.failed_op and lc.graph_ok for lc in self.layers)
+        return all(not lc.failed_c and not lc.failed_op and lc.graph_ok and lc.compiled == "ok" for lc in self.layers)
 
 
 def _cutlass_importable() -> bool:
@@ -141,6 +143,7 @@ def check_package(package_dir: str | Path, layers: list[tuple[int, int]] | None 
             except RuntimeError:
                 lc.failed_op.append(m)
         lc.graph_ok, lc.graph_ms = _graph_check(a, w, graph_ms), list(graph_ms)
+        lc.compiled = _compile_check(a, w, graph_ms)
         checks.append(lc)
         if on_layer:
             on_layer(lc)
@@ -179,8 +182,26 @@ def _graph_check(a, w, ms: tuple[int, ...]) -> bool:
     return all(torch.allclose(o, e, rtol=1e-3, atol=1e-2) for o, e in zip(outs, eager, strict=True))
 
 
+def _compile_check(a, w, ms: tuple[int, ...]) -> str:
+    """torch.compile (one graph, dynamic M) of a function around the operator; its results at
+    several M must match eager. "ok", or the first line of what went wrong."""
+    import torch
+
+    def f(x, weight):
+        return torch.relu(torch.ops.hgemm.linear(x, weight)) * 2
+
+    try:
+        compiled = torch.compile(f, fullgraph=True, dynamic=True)
+        for m in (m for m in ms if m <= a.shape[0]):
+            if not torch.allclose(compiled(a[:m], w), f(a[:m], w), rtol=1e-3, atol=1e-2):
+                return f"differs from eager at M={m}"
+    except Exception as exc:  # noqa: BLE001 - the report says why compiling failed
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+    return "ok"
+
+
 def summary_rows(report: CheckReport) -> list[dict[str, Any]]:
     return [{"N": lc.N, "K": lc.K, "M": f"1-{lc.ms}", "ours": lc.ours, "vendor": lc.vendor,
              "picks": len(lc.picks), "worst_err_vs_cublas": round(lc.worst_ratio, 2),
              "failed_c": len(lc.failed_c), "failed_op": len(lc.failed_op),
-             "graph": "ok" if lc.graph_ok else "FAILED"} for lc in report.layers]
+             "graph": "ok" if lc.graph_ok else "FAILED", "torch.compile": lc.compiled} for lc in report.layers]

@@ -14,8 +14,6 @@ reachable, so a run that hides them shows it).
 
 from __future__ import annotations
 
-import ctypes
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import UserError
-from tuner.runtime.codegen import LIBRARY
+from tuner.runtime.package import open_library, package_info
 
 
 @dataclass
@@ -89,16 +87,13 @@ def check_package(package_dir: str | Path, layers: list[tuple[int, int]] | None 
     from tuner.runtime import torch_op
 
     start = time.perf_counter()
-    torch_op.package_info(Path(package_dir))   # not a package: said before anything else
+    package_info(Path(package_dir))   # not a package: said before anything else
     if not torch.cuda.is_available():
         raise UserError("check-package needs a CUDA GPU visible to torch")
     package_dir = Path(package_dir).resolve()
     info = torch_op.load(package_dir)
-    lib = ctypes.CDLL(str(package_dir / LIBRARY), mode=os.RTLD_LOCAL)
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.hgemm_tuned_run.argtypes = [i, i, i, p, i, p, i, p, i, p, ctypes.c_size_t, p]
-    lib.hgemm_tuned_workspace_size.argtypes = [i, i, i]
-    lib.hgemm_tuned_workspace_size.restype = ctypes.c_size_t
+    lib = open_library(package_dir)
+    graph_ms = tuple(m for m in graph_ms if m <= m_max)
     tuned = [(la["N"], la["K"]) for la in info["layers"]]
     if layers is None:
         layers = tuned
@@ -116,7 +111,8 @@ def check_package(package_dir: str | Path, layers: list[tuple[int, int]] | None 
         lc = LayerCheck(n, k, m_max, 0, 0)
         stream = torch.cuda.current_stream()
         for m in range(1, m_max + 1):
-            ref_m, cublas_err = ref[:m], float((vendor_out[:m].float() - ref[:m]).abs().max())
+            ref_m = ref[:m]
+            cublas_err = float((vendor_out[:m].float() - ref_m).abs().max())
             allowed = 2 * cublas_err + 1e-3
             pick = lib.hgemm_tuned_lookup(m, n, k)
             c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
@@ -163,20 +159,13 @@ def _graph_check(a, w, ms: tuple[int, ...]) -> bool:
     """The operator captured in one CUDA graph at several M; the replay equals the eager result."""
     import torch
 
-    ms = tuple(m for m in ms if m <= a.shape[0])
+    from tuner.runtime.torch_op import graphed
+
     eager = [torch.ops.hgemm.linear(a[:m], w) for m in ms]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up outside the capture, as torch's docs ask
-        for m in ms:
-            torch.ops.hgemm.linear(a[:m], w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [torch.ops.hgemm.linear(a[:m], w) for m in ms]
+    replay, outs = graphed(lambda: [torch.ops.hgemm.linear(a[:m], w) for m in ms])
     for o in outs:
         o.zero_()
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     # not bit-equal: a nondeterministic split-K pick may add its partials in another order
     return all(torch.allclose(o, e, rtol=1e-3, atol=1e-2) for o, e in zip(outs, eager, strict=True))
@@ -192,7 +181,7 @@ def _compile_check(a, w, ms: tuple[int, ...]) -> str:
 
     try:
         compiled = torch.compile(f, fullgraph=True, dynamic=True)
-        for m in (m for m in ms if m <= a.shape[0]):
+        for m in ms:
             if not torch.allclose(compiled(a[:m], w), f(a[:m], w), rtol=1e-3, atol=1e-2):
                 return f"differs from eager at M={m}"
     except Exception as exc:  # noqa: BLE001 - the report says why compiling failed

@@ -29,19 +29,11 @@ class Packaged:
     """The C entry of a packaged library, for cupy arrays on cupy's current stream."""
 
     def __init__(self, package_dir: str | Path):
-        import ctypes
-        import os
+        from tuner.runtime.codegen import STATUS
+        from tuner.runtime.package import open_library
 
-        from tuner.runtime.codegen import LIBRARY, STATUS
-        from tuner.runtime.torch_op import package_info
-
-        self.info = package_info(Path(package_dir))
         self.status = STATUS
-        self.lib = ctypes.CDLL(str(Path(package_dir) / LIBRARY), mode=os.RTLD_LOCAL)
-        p, i = ctypes.c_void_p, ctypes.c_int
-        self.lib.hgemm_tuned_run.argtypes = [i, i, i, p, i, p, i, p, i, p, ctypes.c_size_t, p]
-        self.lib.hgemm_tuned_workspace_size.argtypes = [i, i, i]
-        self.lib.hgemm_tuned_workspace_size.restype = ctypes.c_size_t
+        self.lib = open_library(Path(package_dir))
         self.workspace = None
 
     def run(self, a, b, c, shape: Shape) -> bool:

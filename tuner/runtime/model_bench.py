@@ -17,8 +17,6 @@ logits' max error against an fp32 copy of the model is reported for both, on the
 from __future__ import annotations
 
 import copy
-import ctypes
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import UserError
-from tuner.runtime.codegen import LIBRARY
+from tuner.runtime.package import open_library, package_info
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
@@ -62,35 +60,27 @@ class ModelReport:
         return asdict(self)
 
 
-def _times_ms(fn, repeats: int) -> list[float]:
+def _time_ms(fn) -> float:
     import torch
 
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
-def _graphed(forward):
-    """forward captured in a CUDA graph (after a warm-up on a side stream); returns replay, or
-    raises what the capture raised."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph.replay
+def _interleaved(run: dict[bool, Any], repeats: int, prepare=None) -> tuple[float, float]:
+    """Median ms of run[False] (stock) and run[True] (ours), timed in turns, the order alternating,
+    so both see the same clocks; prepare(which), untimed, before each."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(repeats):
+        for which in ((False, True) if r % 2 == 0 else (True, False)):
+            if prepare:
+                prepare(which)
+            times[which].append(_time_ms(run[which]))
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def bench_model(package_dir: str | Path, layers: int = 2, prefill: tuple[int, ...] = (512, 1024, 2048, 4096),
@@ -105,7 +95,7 @@ def bench_model(package_dir: str | Path, layers: int = 2, prefill: tuple[int, ..
         raise UserError("bench-model needs transformers (pip install transformers)") from None
     from tuner.runtime import torch_op
 
-    torch_op.package_info(Path(package_dir))   # not a package: said before anything else
+    package_info(Path(package_dir))   # not a package: said before anything else
     if not torch.cuda.is_available():
         raise UserError("bench-model needs a CUDA GPU visible to torch")
     if layers < 1 or repeats < 3:
@@ -113,7 +103,7 @@ def bench_model(package_dir: str | Path, layers: int = 2, prefill: tuple[int, ..
     start = time.perf_counter()
     package_dir = Path(package_dir).resolve()
     torch_op.load(package_dir)
-    lib = ctypes.CDLL(str(package_dir / LIBRARY), mode=os.RTLD_LOCAL)
+    lib = open_library(package_dir)
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA3_8B, num_hidden_layers=layers,
                          max_position_embeddings=max((*prefill, 1)) + 16, attn_implementation="sdpa")
@@ -146,14 +136,8 @@ def bench_model(package_dir: str | Path, layers: int = 2, prefill: tuple[int, ..
             use(True)
             ours_err = float((forward().float() - ref).abs().max())
             del ref
-            stock, ours = [], []
-            for r in range(repeats):   # interleaved, the order alternating: both see the same clocks
-                for which in ((False, True) if r % 2 == 0 else (True, False)):
-                    use(which)
-                    (ours if which else stock).extend(_times_ms(forward, 1))
-            row = ModelRow(phase, batch, tokens, m, "eager", statistics.median(stock), statistics.median(ours), None,
-                           ours_calls, len(linears), stock_err, ours_err)
-            row.speedup = row.stock_ms / row.ours_ms
+            s, o = _interleaved({False: forward, True: forward}, repeats, prepare=use)
+            row = ModelRow(phase, batch, tokens, m, "eager", s, o, s / o, ours_calls, len(linears), stock_err, ours_err)
             rows.append(row)
             if on_row:
                 on_row(row)
@@ -168,17 +152,15 @@ def bench_model(package_dir: str | Path, layers: int = 2, prefill: tuple[int, ..
 
 
 def _graph_row(phase, batch, tokens, m, forward, use, repeats, ours_calls, n_linear) -> ModelRow:
+    from tuner.runtime.torch_op import graphed
+
     replays = {}
     try:
         for which in (False, True):
             use(which)
-            replays[which] = _graphed(forward)
+            replays[which], _ = graphed(forward, warmups=2)
     except Exception as exc:  # noqa: BLE001 - a model that cannot be captured is a row that says why
         return ModelRow(phase, batch, tokens, m, "graph", None, None, None, ours_calls, n_linear,
                         note=f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-    stock, ours = [], []
-    for r in range(repeats):
-        for which in ((False, True) if r % 2 == 0 else (True, False)):
-            (ours if which else stock).extend(_times_ms(replays[which], 1))
-    s, o = statistics.median(stock), statistics.median(ours)
+    s, o = _interleaved(replays, repeats)
     return ModelRow(phase, batch, tokens, m, "graph", s, o, s / o, ours_calls, n_linear)

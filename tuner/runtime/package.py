@@ -18,6 +18,7 @@ bucket, an M below half the smallest bucket, or another (N, K), answers status 1
 """
 
 
+import ctypes
 import hashlib
 import json
 import os
@@ -267,3 +268,30 @@ def package(export_file: Path, out_dir: Path, arch: str = "sm_90a", space_file: 
     os.replace(out_dir / f".{INFO}.tmp", manifest)
     return Packaged(out_dir, library, header, arch, kernels, picks, vendor, skipped, layers,
                     seconds=time.perf_counter() - start, size_bytes=library.stat().st_size)
+
+
+def package_info(package_dir: Path) -> dict[str, Any]:
+    """DIR/package.json of a finished package; one clear line when DIR is not one."""
+    info_file = Path(package_dir) / INFO
+    if not (Path(package_dir) / LIBRARY).is_file() or not info_file.is_file():
+        raise UserError(f"{package_dir} is not a package: it has no {LIBRARY} and {INFO} "
+                        "(make one with `hgemm-tune package EXPORT -o DIR`)")
+    try:
+        return json.loads(info_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{info_file}: not readable JSON: {exc}") from None
+
+
+def open_library(package_dir: Path) -> ctypes.CDLL:
+    """The package's C API through ctypes, every entry point's arguments declared."""
+    package_info(package_dir)
+    lib = ctypes.CDLL(str(Path(package_dir) / LIBRARY), mode=os.RTLD_LOCAL)
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.hgemm_tuned_run.argtypes = [i, i, i, p, i, p, i, p, i, p, ctypes.c_size_t, p]
+    lib.hgemm_tuned_run.restype = i
+    lib.hgemm_tuned_workspace_size.argtypes = [i, i, i]
+    lib.hgemm_tuned_workspace_size.restype = ctypes.c_size_t
+    lib.hgemm_tuned_lookup.argtypes = [i, i, i]
+    lib.hgemm_tuned_lookup.restype = i
+    lib.hgemm_tuned_info.restype = ctypes.c_char_p
+    return lib

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import UserError
-from tuner.runtime.codegen import INFO, LIBRARY
+from tuner.runtime.codegen import LIBRARY
+from tuner.runtime.package import package_info
 
 SHIM = "libhgemm_tuned_torch.so"
 SHIM_INFO = "torch_op.json"
@@ -113,17 +114,6 @@ TORCH_LIBRARY_IMPL(hgemm, Meta, m) { m.impl("linear", &linear_meta); }
 """
 
 
-def package_info(package_dir: Path) -> dict[str, Any]:
-    info_file = package_dir / INFO
-    if not (package_dir / LIBRARY).is_file() or not info_file.is_file():
-        raise UserError(f"{package_dir} is not a package: it has no {LIBRARY} and {INFO} "
-                        "(make one with `hgemm-tune package EXPORT -o DIR`)")
-    try:
-        return json.loads(info_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{info_file}: not readable JSON: {exc}") from None
-
-
 def _stamp(package_dir: Path, torch_mod) -> dict[str, Any]:
     """What the shim was built against: rebuilt when any of it differs."""
     return {"torch": torch_mod.__version__, "cxx11_abi": bool(torch_mod.compiled_with_cxx11_abi()),
@@ -191,6 +181,23 @@ def load(package_dir: str | Path) -> dict[str, Any]:
     torch.ops.load_library(str(build(package_dir)))
     _loaded.update(dir=package_dir, info=info)
     return info
+
+
+def graphed(fn, warmups: int = 1):
+    """fn captured in one CUDA graph, after warm-up calls on a side stream as torch's docs ask:
+    (replay, what the captured call returned). Raises what the capture raised."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
 
 
 def linear(x, weight, bias=None):

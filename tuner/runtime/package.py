@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -235,12 +235,10 @@ def package(export_file: Path, out_dir: Path, arch: str = "sm_90a", space_file: 
     (src / HEADER).write_text(header_text(arch))
     (src / "exports.map").write_text("{ global: " + " ".join(f"{s};" for s in API) + " local: *; };\n")
     flags = _flags(arch, {k.family for k in kernels})
-    done = 0
     with tempfile.TemporaryDirectory(prefix="hgemm-package-") as tmp:
         objs = {name: Path(tmp) / (name.removesuffix(".cu") + ".o") for name in units}
 
         def build(name: str) -> None:
-            nonlocal done
             if name == "dispatch.cu":
                 _nvcc([*flags, f"-I{src}", "-c", "-o", str(objs[name]), str(src / name)], "the dispatch table")
             else:
@@ -250,13 +248,13 @@ def package(export_file: Path, out_dir: Path, arch: str = "sm_90a", space_file: 
                 _nvcc([*flags, *(HOST_FLAGS if k.artifact == "library" else []), f"-I{src}", "-c",
                        "-o", str(objs[name]), str(src / name)], what)
                 _localize(objs[name], what)
-            done += 1
-            if on_done:
-                on_done(done, len(units))
 
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-            for f in [pool.submit(build, name) for name in units]:
+            # counted here, as each finishes: the callback runs on this thread only
+            for done, f in enumerate(as_completed([pool.submit(build, name) for name in units]), 1):
                 f.result()
+                if on_done:
+                    on_done(done, len(units))
         lib_tmp = Path(tmp) / LIBRARY
         _nvcc(["-shared", "-cudart=static", f"-gencode=arch=compute_{arch.removeprefix('sm_')},code={arch}",
                f"-Xlinker=--version-script={src / 'exports.map'}", "-o", str(lib_tmp), *map(str, objs.values())],

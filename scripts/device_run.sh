@@ -2,6 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, then run the given steps, logs under $OUT.
 #   bash scripts/device_run.sh gpu-tests tune-bench
 #   bash scripts/device_run.sh llama-sweep package check-package bench-model   (issue: a real client)
+#   CATALOGUE=runs/catalogue.zip bash scripts/device_run.sh small   (small shapes: sweep, bench both regimes, ncu)
 # Carry .whl (made here by `bash ../shared/device/wheels.sh optuna openai nvidia-cutlass nvmath-python
 # jsonschema hypothesis`) and, if there is one, runs/cubins.tar.xz (a compile cache packed here after
 # `hgemm-tune prebuild ...`: `tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .`).
@@ -15,6 +16,7 @@ python3 -c 'import jsonschema, optuna, jinja2, yaml, typer, rich, pandas, cupy, 
   echo "device_run.sh: a runtime dependency is missing on the device; rebuild .whl here (see the header)"; exit 1; }
 [[ -f runs/cubins.tar.xz ]] && mkdir -p "$HGEMM_TUNE_CACHE" && tar xJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE"
 OUT=${OUT:-runs/out}; mkdir -p "$OUT" runs
+[[ -f runs/dist.tgz && ! -d runs/dist ]] && tar xzf runs/dist.tgz -C runs  # packages built by an earlier call
 END=${DEVICE_BUDGET_S:-570}  # every step's timeout is capped by what is left of the call
 cap() { local left=$((END - SECONDS)); (( left < $1 )) && echo $((left > 1 ? left : 1)) || echo "$1"; }
 nvidia-smi --query-gpu=name,uuid,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv \
@@ -38,6 +40,19 @@ for step in "$@"; do
         --budget "${SWEEP_BUDGET:-200}" \
         ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/llama.db -o runs/llama.json 2>&1 \
         | tee "$OUT/sweep.log" | tail -45; cp runs/llama.json "$OUT/" ;;
+    small)  # small shapes (issue 35): tune from the catalogue, bench both regimes, then ncu over one isolated bench
+      timeout "$(cap ${SMALL_TIMEOUT:-200})" python3 -m tuner.cli sweep space.yaml --shapes "${SMALL_SHAPES:-small3}" \
+        --families "${SMALL_FAMILIES:-cute_sm90}" --trials-per-shape "${SMALL_TRIALS:-24}" --patience 0 --confirm 0 \
+        ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/small.db -o runs/small.json 2>&1 \
+        | tee "$OUT/small_sweep.log" | tail -12; cp runs/small.json "$OUT/"
+      timeout "$(cap 200)" python3 -m tuner.cli bench runs/small.json --mode both --repeats "${REPEATS:-3}" \
+        --out runs/bench_small 2>&1 | tee "$OUT/small_bench.log" | tail -40; cp runs/bench_small/bench.md "$OUT/small_bench.md"
+      # ncu: every GEMM kernel of one isolated bench run (ours: CUTLASS's device_kernel; cuBLAS's nvjet/sm90 kernels)
+      timeout "$(cap 150)" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet|gemm|xmma" \
+        --section SpeedOfLight --section LaunchStats --launch-count "${NCU_LAUNCHES:-80}" --csv --page details \
+        python3 -m tuner.cli bench runs/small.json --mode isolated --out runs/bench_ncu > "$OUT/small_ncu.csv" \
+        2> "$OUT/small_ncu.err"; tail -3 "$OUT/small_ncu.err"
+      python3 -m tuner.cli rank-check sqlite:///runs/small.db --top 5 2>&1 | tee "$OUT/small_rank.log" | tail -20 ;;
     package)  # the export -> one library (nvcc here: 16 cores) and the PyTorch shim for this torch
       # and, for check-package, the same export with our kernel forced at every bucket (correctness at every M)
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); [e.update(pick=e["family"]) for e in d["entries"]]
@@ -47,7 +62,9 @@ json.dump(d, open(sys.argv[2], "w"))' "${EXPORT:-runs/llama.json}" runs/forced.j
         ( timeout "$(cap 300)" python3 -m tuner.cli package "$src" -o runs/$d --jobs 8 > "$OUT/package_$d.log" 2>&1 &&
           timeout "$(cap 200)" python3 -c 'import sys; from tuner.runtime import torch_op; print(torch_op.build(sys.argv[1]))' \
             runs/$d >> "$OUT/package_$d.log" 2>&1 ) &
-      done; wait; tail -12 "$OUT"/package_*.log ;;
+      done; wait; tail -12 "$OUT"/package_*.log
+      # for a later call's check-package / bench-model (carry runs/dist.tgz)
+      tar czf "$OUT/dist.tgz" -C runs $(cd runs && ls -d dist forced 2>/dev/null) ;;
     check-package|bench-model)  # a fresh process with nvcc off PATH and without the CUTLASS wheel
       NOCUDA_PATH=$(echo "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd:)
       SITE2=$(mktemp -d)

@@ -126,6 +126,23 @@ def test_family_defaults_verify_on_tails(space, backend, family, shape_s):
     assert rec.tflops and rec.tflops < backend.target.peak_tflops
 
 
+@pytest.mark.parametrize("shape_s", ["127x136x72", "333x200x1000", "1001x520x336"])
+def test_cute_sm90_basic_schedule_verifies_on_tails(space, backend, shape_s):
+    """SCHEDULE=basic (non-persistent, a grid of one CTA per tile, two CTAs per SM) passes the full
+    check on tail shapes: M, N and K not multiples of the 64x128x64 tile."""
+    from tuner.build import CompilePool
+
+    fam = space.family("cute_sm90")
+    config = fam.compile_config(fam.complete(next(s for s in fam.seeds if s.get("SCHEDULE") == "basic")))
+    shape = parse_shape(shape_s)
+    assert not fam.violations(fam.complete(config), shape, backend.target)
+    pool = CompilePool(2)
+    rec = finish(prepare(fam, config, shape, backend, pool), shape, backend, 60)
+    pool.close()
+    assert rec.status == "ok", rec.reason
+    assert rec.tflops and rec.tflops < backend.target.peak_tflops
+
+
 def test_cute_sm90_split_k_variants_verify_on_tails(space, backend):
     """Every stream-K / split-K variant of one library, both reduction orders, passes the
     random check on a tail shape (the worker checks each run-time variant) and is timed."""

@@ -1,7 +1,8 @@
 """The kernels are what they claim, proven without a GPU: compile, then read the SASS.
 
 cute_sm90 must issue wgmma (HGMMA) fed by TMA loads (UTMALDG); the shipped default and
-seed configs must not spill to local memory (no LDL/STL). cute_sm80 must use mma.sync
+seed configs (the non-persistent `basic` schedule among them) must not spill to local memory
+(no LDL/STL). cute_sm80 must use mma.sync
 (HMMA), cp.async (LDGSTS) and ldmatrix (LDSM)."""
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     # our kernel body (PROLOGUE), on the default tile and cluster
     own_body = default | {"PROLOGUE": "early_load"}
     assert not fam.violations(own_body, BIG, h200)
-    results = _compile_all(fam, [default, pingpong, sampled, own_body], tmp_path)
-    for cfg, res in zip([default, pingpong, sampled, own_body], results, strict=True):
+    # the non-persistent kernel (SCHEDULE basic) on a small-shape seed's tile
+    basic = fam.complete(next(s for s in fam.seeds if s.get("SCHEDULE") == "basic"))
+    assert not fam.violations(basic, parse_shape("1024x1024x1024"), h200)
+    results = _compile_all(fam, [default, pingpong, sampled, own_body, basic], tmp_path)
+    for cfg, res in zip([default, pingpong, sampled, own_body, basic], results, strict=True):
         assert res.ok, f"{fam.compile_config(cfg)}: {res.error}"
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["HGMMA"] > 0, f"no wgmma in {fam.compile_config(cfg)}: {dict(ops)}"
@@ -61,7 +65,9 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     # the 1024-byte alignment (a 4-byte __shared__ word -> misaligned address on the GPU).
     system_reserve = set(static_shared_bytes(results[0].cubin).values())
     assert set(static_shared_bytes(results[3].cubin).values()) == system_reserve, "static shared memory in our body"
-    for cfg, res in zip([default, pingpong, own_body], [results[0], results[1], results[3]], strict=True):
+    # PDL both ways in the basic kernel: it waits for its predecessor and lets its dependents start early
+    assert opcode_counts(dump_sass(results[4].cubin))["PREEXIT"] > 0, "basic: no griddepcontrol.launch_dependents"
+    for cfg, res in zip([default, pingpong, own_body, basic], [*results[:2], *results[3:]], strict=True):
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["LDL"] == 0 and ops["STL"] == 0, f"local-memory spills in {fam.compile_config(cfg)}: {dict(ops)}"
         assert res.spill_bytes == 0

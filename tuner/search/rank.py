@@ -96,9 +96,14 @@ def tile_of(fam: Family, full: dict[str, Any], shape: Shape, target: Target) -> 
     if {"TILE_M", "TILE_N", "TILE_K"} <= set(full):  # cute_sm90: one persistent CTA per SM
         decomp = str(full.get("DECOMP", "data_parallel"))
         splits = int(decomp.split("_")[1]) if decomp.startswith("split_") else 1
+        ctas = 1
+        if full.get("SCHEDULE") == "basic":  # a grid of tiles: as many CTAs per SM as shared memory allows
+            smem = int(fam.env(full, shape, target).get("smem_bytes", 0) or 0)
+            ctas = max(min(SM_SMEM // smem if smem else 1, SM_THREADS // 256), 1)
         return Tile(full["TILE_M"], full["TILE_N"], full["TILE_K"], int(full.get("CLUSTER_M", 1)),
                     int(full.get("CLUSTER_N", 1)), splits, decomp == "stream_k",
-                    full.get("REDUCTION", "deterministic") == "deterministic", full.get("SCHEDULE") == "pingpong")
+                    full.get("REDUCTION", "deterministic") == "deterministic", full.get("SCHEDULE") == "pingpong",
+                    ctas)
     if {"BM", "BN", "BK"} <= set(full):  # cubin families: as many CTAs per SM as smem and threads allow
         env = fam.env(full, shape, target)
         smem, threads = int(env.get("smem_bytes", 0) or 0), int(env.get("threads", 128) or 128)

@@ -261,7 +261,7 @@ def no_wheel_env(tmp_path) -> dict:
 
     fake = tmp_path / "nowheel"
     fake.mkdir(exist_ok=True)
-    (fake / "nvMatmulHeuristics.py").write_text("raise ImportError('simulated: not installed')\n")
+    (fake / "nvMatmulHeuristics.py").write_text("raise ModuleNotFoundError('simulated: not installed')\n")
     return os.environ | {"PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
 
 
@@ -338,3 +338,24 @@ def test_rank_check_puts_the_nvidia_ranking_beside_the_model(tmp_path, space):
     text = " ".join((out.stdout + out.stderr).split())
     assert "nvidia" in text and "nvidia ranker not compared" not in text
     assert "nvidia: measured fastest within the predicted top 3 at 1 of 1" in text
+
+
+def test_tune_rank_by_nvidia_records_who_predicted(tmp_path, monkeypatch, space):
+    pytest.importorskip("nvMatmulHeuristics")
+    from tuner import api
+    from tuner.api import tuning
+    from tuner.search import TrialRecord
+
+    cat = wmma_catalogue(space)
+    monkeypatch.setattr(tuning, "load_catalogue", lambda *a, **k: cat)
+    opts = api.Options(trials=3, storage=f"sqlite:///{tmp_path}/s.db", space_file=ROOT / "space.yaml",
+                       families="wmma", backend="replay", replay=REPLAY, seed=0, confirm_top=0,
+                       runs_dir=tmp_path / "runs", catalogue=Path("fake.zip"), catalogue_top=3, rank_by="nvidia")
+    res = api.tune_shape("2048x2048x64", opts)
+    recs = [TrialRecord.of(t) for t in sorted(res.study.get_trials(), key=lambda t: t.number)]
+    # wmma is not the heuristic's to estimate: every candidate took the model's time (scale 1, so
+    # the model's own order), and says so.
+    assert [r.catalogue_rank for r in recs[:3]] == [1, 2, 3]
+    assert {r.predicted_by for r in recs[:3]} == {"model-scaled"}
+    want = rank_catalogue(space, [("wmma", k.config) for k in cat.kernels], parse_shape("2048x2048x64"), H200)
+    assert [r.config for r in recs[:3]] == [c.config for c in want.candidates[:3]]

@@ -192,3 +192,170 @@ def test_rank_check_reports_the_simulated_ranking(tmp_path, monkeypatch, space):
 
 def cat_configs(space) -> list:
     return wmma_catalogue(space).kernels
+
+
+# ---- the optional nvidia ranker (nvMatmulHeuristics, the `heuristics` extra) --------------------
+
+def heuristic_first(space, shape) -> dict:
+    """The heuristic's own best proposal for the shape that our cute_sm90 space can express (a
+    compile config), trying its proposals in its order."""
+    from tuner.search.nvidia_heuristics import gpu_for, heuristic
+    from tuner.search.sampler import full_config
+
+    fam = space.family("cute_sm90")
+    for c, _ in heuristic(gpu_for(H200)).proposals(shape, 32):
+        cfg = {"TILE_M": c.cta[0], "TILE_N": c.cta[1], "TILE_K": c.cta[2], "STAGES": c.stages,
+               "CLUSTER_M": c.cluster[0], "CLUSTER_N": c.cluster[1],
+               "SCHEDULE": "cooperative" if c.cta[0] % 128 == 0 else "pingpong"}
+        try:
+            cfg = fam.compile_config(full_config(fam, cfg))
+        except UserError:
+            continue
+        if c.split_k == 1 and not fam.violations(full_config(fam, cfg), shape, H200):
+            return cfg
+    raise AssertionError(f"no proposal for {shape} our space can express")
+
+
+@pytest.mark.parametrize("shape", ["4096x4096x4096", "3000x5000x1000", "1024x1024x1024"])
+def test_nvidia_ranker_is_deterministic_and_puts_its_first_tile_near_the_top(space, shape):
+    pytest.importorskip("nvMatmulHeuristics")
+    shp = parse_shape(shape)
+    first = heuristic_first(space, shp)
+    cat = sm90_catalogue(space) + [("cute_sm90", first)]
+    a = rank_catalogue(space, cat, shp, H200, ranker="nvidia")
+    b = rank_catalogue(space, cat, shp, H200, ranker="nvidia")
+    assert a == b
+    assert [c.rank for c in a.candidates] == list(range(1, len(a.candidates) + 1))
+    assert [c.score_us for c in a.candidates] == sorted(c.score_us for c in a.candidates)
+    by = {c.predicted_by for c in a.candidates}
+    assert "nvidia" in by and by <= {"nvidia", "model-scaled"}
+    # stream-K is not the heuristic's to estimate: a config named at stream_k took our model's time.
+    assert all(c.predicted_by == "model-scaled" for c in a.candidates if c.variant["DECOMP"] == "stream_k")
+    assert next(c.rank for c in a.candidates if c.config == first) <= 3
+    # The same configs, dropped alike, whichever ranker.
+    model = rank_catalogue(space, cat, shp, H200)
+    assert sorted(c.key for c in model.candidates) == sorted(c.key for c in a.candidates)
+    assert all(c.predicted_by == "model" for c in model.candidates)
+
+
+def test_nvidia_ranker_without_the_wheel_is_one_clear_line(space, monkeypatch):
+    from tuner import api
+
+    monkeypatch.setitem(sys.modules, "nvMatmulHeuristics", None)  # its import now fails
+    with pytest.raises(UserError, match=r"pip install 'hgemm-tune\[heuristics\]'") as err:
+        rank_catalogue(space, sm90_catalogue(space), parse_shape("4096x4096x4096"), H200, ranker="nvidia")
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="nvidia-matmul-heuristics"):
+        api.Options(rank_by="nvidia", catalogue=Path("x.zip")).check()
+    with pytest.raises(UserError, match="--rank-by needs --catalogue"):
+        api.Options(rank_by="nvidia").check()
+    with pytest.raises(UserError, match="choose one of model, nvidia"):
+        api.Options(rank_by="cublas", catalogue=Path("x.zip")).check()
+    # The model ranker never touches the wheel.
+    assert rank_catalogue(space, sm90_catalogue(space), parse_shape("4096x4096x4096"), H200).candidates
+
+
+def no_wheel_env(tmp_path) -> dict:
+    """An environment whose `import nvMatmulHeuristics` fails, wheel installed or not."""
+    import os
+
+    fake = tmp_path / "nowheel"
+    fake.mkdir(exist_ok=True)
+    (fake / "nvMatmulHeuristics.py").write_text("raise ModuleNotFoundError('simulated: not installed')\n")
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
+
+
+def test_tune_rank_by_nvidia_without_the_wheel_fails_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tuner.cli", "tune", "--shape", "256x256x256", "--backend", "replay",
+                          "--replay", str(REPLAY), "--catalogue", str(tmp_path / "none.zip"), "--rank-by", "nvidia",
+                          "--storage", f"sqlite:///{tmp_path}/s.db"],
+                         capture_output=True, text=True, cwd=tmp_path, env=no_wheel_env(tmp_path))
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1 and "hgemm-tune[heuristics]" in out.stderr
+
+
+def synthetic_storage(tmp_path, space, shape: str, times: dict[str, float]) -> str:
+    """A storage with one SIMULATED cute_sm90 study at `shape` that ranked the sm90 catalogue with
+    the model (recorded ranks, as a sweep records them) and 'measured' each candidate at times[key]."""
+    import optuna
+
+    from tuner.search import Status, StudyMeta, TrialRecord
+
+    storage = f"sqlite:///{tmp_path}/syn.db"
+    shp = parse_shape(shape)
+    st = optuna.create_study(study_name=f"{shape}-cute_sm90-syn", storage=storage)
+    StudyMeta(shape=shape, families=["cute_sm90"], target=H200.to_dict(), backend="synthetic",
+              simulated=True).write(st)
+    for c in rank_catalogue(space, sm90_catalogue(space), shp, H200).candidates:
+        rec = TrialRecord("cute_sm90", c.config, Status.OK, time_us=times[c.key], tflops=1.0, variant=c.variant,
+                          simulated=True, catalogue_rank=c.rank, predicted_us=c.predicted_us,
+                          predicted_variant=c.variant, predicted_by=c.predicted_by)
+        st.add_trial(optuna.trial.create_trial(value=rec.time_us, user_attrs=rec.to_attrs(),
+                                               state=optuna.trial.TrialState.COMPLETE))
+    return storage
+
+
+def ranked_times(ranking) -> dict[str, float]:
+    """Times a ranking predicts perfectly: its own, strictly increasing with its rank."""
+    return {c.key: c.predicted_us + 1e-3 * c.rank for c in ranking.candidates}
+
+
+def test_rank_check_recomputes_the_model_ranking_from_configs(tmp_path, space):
+    from tuner import api
+
+    shape = "3000x5000x1000"
+    storage = synthetic_storage(tmp_path, space, shape, ranked_times(
+        rank_catalogue(space, sm90_catalogue(space), parse_shape(shape), H200)))
+    ((asrun, by),) = api.rank_compare(storage, top=3, rankers=("model",))
+    # Recorded with the model and no neighbours: recomputing it gives the same figures, all perfect.
+    assert by["model"] == asrun
+    assert asrun.spearman == pytest.approx(1.0) and asrun.first_place == 1 and asrun.best_rank == 1
+    out = subprocess.run([sys.executable, "-m", "tuner.cli", "rank-check", storage, "--top", "3"],
+                         capture_output=True, text=True, cwd=tmp_path, env=no_wheel_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    text = " ".join((out.stdout + out.stderr).split())  # rich wraps lines at the terminal's width
+    assert "as run" in text and "model" in text and shape in text
+    assert "nvidia ranker not compared" in text and "pip install 'hgemm-tune[heuristics]'" in text
+
+
+def test_rank_check_puts_the_nvidia_ranking_beside_the_model(tmp_path, space):
+    pytest.importorskip("nvMatmulHeuristics")
+    from tuner import api
+
+    shape = "3000x5000x1000"
+    nv = rank_catalogue(space, sm90_catalogue(space), parse_shape(shape), H200, ranker="nvidia")
+    storage = synthetic_storage(tmp_path, space, shape, ranked_times(nv))
+    ((asrun, by),) = api.rank_compare(storage, top=3)
+    assert set(by) == {"model", "nvidia"}
+    # Times the heuristic predicts exactly: its recomputed order is perfect, the recorded (model) one is not.
+    q = by["nvidia"]
+    assert q is not None and q.spearman == pytest.approx(1.0) and q.first_place == 1 and q.best_rank == 1
+    assert q.measured == asrun.measured == len(nv.candidates)
+    assert by["model"] == asrun and asrun.spearman < 1.0
+    out = subprocess.run([sys.executable, "-m", "tuner.cli", "rank-check", storage, "--top", "3"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "nvidia" in text and "nvidia ranker not compared" not in text
+    assert "nvidia: measured fastest within the predicted top 3 at 1 of 1" in text
+
+
+def test_tune_rank_by_nvidia_records_who_predicted(tmp_path, monkeypatch, space):
+    pytest.importorskip("nvMatmulHeuristics")
+    from tuner import api
+    from tuner.api import tuning
+    from tuner.search import TrialRecord
+
+    cat = wmma_catalogue(space)
+    monkeypatch.setattr(tuning, "load_catalogue", lambda *a, **k: cat)
+    opts = api.Options(trials=3, storage=f"sqlite:///{tmp_path}/s.db", space_file=ROOT / "space.yaml",
+                       families="wmma", backend="replay", replay=REPLAY, seed=0, confirm_top=0,
+                       runs_dir=tmp_path / "runs", catalogue=Path("fake.zip"), catalogue_top=3, rank_by="nvidia")
+    res = api.tune_shape("2048x2048x64", opts)
+    recs = [TrialRecord.of(t) for t in sorted(res.study.get_trials(), key=lambda t: t.number)]
+    # wmma is not the heuristic's to estimate: every candidate took the model's time (scale 1, so
+    # the model's own order), and says so.
+    assert [r.catalogue_rank for r in recs[:3]] == [1, 2, 3]
+    assert {r.predicted_by for r in recs[:3]} == {"model-scaled"}
+    want = rank_catalogue(space, [("wmma", k.config) for k in cat.kernels], parse_shape("2048x2048x64"), H200)
+    assert [r.config for r in recs[:3]] == [c.config for c in want.candidates[:3]]

@@ -40,6 +40,7 @@ from tuner.api.tuning import (
     join_study,
     nearest_tuned,
     rank_check,
+    rank_compare,
     rank_for,
     sweep,
     tune_shape,
@@ -50,6 +51,7 @@ __all__ = [
     "bench_model", "check_package", "catalogue_build", "catalogue_jobs", "check_entries", "check_family_names",
     "confirm", "confirm_best", "export",
     "families_for", "join_study", "make_backend", "measuring", "nearest_tuned", "package", "prebuild", "rank_check",
+    "rank_compare",
     "rank_for", "split_list",
     "sweep", "tune_shape",
 ]

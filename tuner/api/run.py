@@ -22,7 +22,9 @@ from tuner.search import (
     TrialRecord,
     check_accumulate,
     check_objective,
+    nvidia_heuristics,
 )
+from tuner.search.rank import RANKERS
 from tuner.space import ACCUMULATE, Shape, Space, Target
 
 DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
@@ -54,6 +56,9 @@ class Options:
     # How many of the catalogue's configs, ranked for the shape (tuner.search.rank), a fresh study
     # times before the sampler's own proposals; None: all of them, in ranked order.
     catalogue_top: int | None = None
+    # What ranks the catalogue (tuner.search.rank.RANKERS): our cost model, or NVIDIA's
+    # nvMatmulHeuristics (the optional `heuristics` extra) where it can express the config.
+    rank_by: str = "model"
     # The timing regime whose time the search minimizes (sustained, isolated); None: a joined study's own.
     objective: str | None = SUSTAINED
 
@@ -73,6 +78,12 @@ class Options:
             raise UserError("--catalogue-top needs --catalogue FILE (the catalogue whose ranked configs are tried)")
         if self.catalogue_top is not None and self.catalogue_top < 0:
             raise UserError(f"--catalogue-top {self.catalogue_top}: must be >= 0 (0: enqueue no catalogue config)")
+        if self.rank_by not in RANKERS:
+            raise UserError(f"--rank-by {self.rank_by!r}: choose one of {', '.join(RANKERS)}")
+        if self.rank_by != "model" and self.catalogue is None:
+            raise UserError("--rank-by needs --catalogue FILE (it orders the catalogue's configs)")
+        if self.rank_by == "nvidia":
+            nvidia_heuristics.load()  # not installed: one line saying how, before any work
         if self.trials < 0 or self.confirm_top < 0 or self.confirm_runs < 1:
             raise UserError("--trials and --confirm must be >= 0 and --confirm-runs >= 1")
 

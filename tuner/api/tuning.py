@@ -43,7 +43,16 @@ from tuner.search import (
 )
 from tuner.search import confirm as confirm_study
 from tuner.search.compile_queue import hang_timeout_s
-from tuner.search.rank import NEAR_BEST_PLACES, Candidate, RankQuality, rank_catalogue, rank_quality
+from tuner.search.rank import (
+    NEAR_BEST_PLACES,
+    RANKERS,
+    Candidate,
+    RankQuality,
+    in_space,
+    rank_catalogue,
+    rank_quality,
+    rerank_quality,
+)
 from tuner.search.records import StudyMeta, confirm_record, mark_sweep_done, sweep_done_trials
 from tuner.search.sampler import NearPick, nearest_picks
 from tuner.search.studies import best_trial
@@ -84,20 +93,13 @@ def _search(space: Space, fams: list[str], shape: Shape, be: Backend, pool: Comp
 def rank_for(space: Space, catalogue: Catalogue, fams: list[str], shape: Shape, target: Target,
              opts: Options) -> list[Candidate]:
     """The catalogue's configs of these families, ranked for the shape (tuner.search.rank): the
-    cost model, and the winners and near-best configs of the nearest tuned shapes in the storage.
-    Configs the space no longer has, or whose constraints reject the shape, are left out."""
-    configs = [(f, c) for f, c in catalogue.configs(fams, opts.accumulate) if _in_space(space, f, c)]
+    cost model (or NVIDIA's heuristic, `opts.rank_by`), and the winners and near-best configs of
+    the nearest tuned shapes in the storage. Configs the space no longer has, or whose
+    constraints reject the shape, are left out."""
+    configs = [(f, c) for f, c in catalogue.configs(fams, opts.accumulate) if in_space(space, f, c)]
     return rank_catalogue(space, configs, shape, target,
-                          tuned_neighbours(opts.storage, shape, fams, top=NEAR_BEST_PLACES)).candidates
-
-
-def _in_space(space: Space, family: str, config: dict) -> bool:
-    """A catalogue config the space still has (its knob lists may have changed since)."""
-    try:
-        space.family(family).complete(config)
-    except UserError:
-        return False
-    return True
+                          tuned_neighbours(opts.storage, shape, fams, top=NEAR_BEST_PLACES),
+                          ranker=opts.rank_by, accumulate=opts.accumulate).candidates
 
 
 def confirm_best(space: Space, study: optuna.Study, be: Backend, pool: CompilePool | None, opts: Options,
@@ -332,3 +334,24 @@ def rank_check(storage: str, top: int = 5, studies: list[str] | None = None) -> 
         raise UserError(f"--top {top}: must be >= 1")
     found = load_studies(storage, studies, read_only=True)
     return [q for st in found for q in [rank_quality(st, top)] if q is not None]
+
+
+def rank_compare(storage: str, top: int = 5, studies: list[str] | None = None, space_file: Path | None = None,
+                 rankers: tuple[str, ...] | None = None) -> list[tuple[RankQuality, dict[str, RankQuality | None]]]:
+    """`rank_check` with each ranker's order recomputed on the same measured studies: per study
+    the recorded ranking's quality and, per ranker, that of its order recomputed from the
+    candidates' configs, the shape and the target (tuner.search.rank.rerank_quality, no
+    neighbour credit). Default rankers: the model, and nvidia where its wheel is installed."""
+    from tuner.search import nvidia_heuristics
+
+    if rankers is None:
+        rankers = RANKERS if nvidia_heuristics.available() else ("model",)
+    for r in rankers:
+        if r not in RANKERS:
+            raise UserError(f"unknown ranker {r!r}; choose from {', '.join(RANKERS)}")
+    rows = rank_check(storage, top, studies)
+    if not rows:
+        return []
+    space = load_space(space_file)
+    by_name = {st.study_name: st for st in load_studies(storage, [q.study for q in rows], read_only=True)}
+    return [(q, {r: rerank_quality(by_name[q.study], space, r, top) for r in rankers}) for q in rows]

@@ -47,6 +47,12 @@ CatalogueTop = Annotated[int | None, typer.Option(
          "tuned shapes in --storage; then the sampler compiles new configs. Default: every catalogue config, "
          "ranked; 0: none (the catalogue only fills the compile cache). `hgemm-tune rank-check` shows how well "
          "the ranking predicted the measured order.")]
+RankBy = Annotated[str, typer.Option(
+    "--rank-by", help="With --catalogue: what orders its configs. model: our cost model; nvidia: NVIDIA's "
+                      "nvMatmulHeuristics estimates (optional, NVIDIA-licensed wheel: pip install "
+                      "'hgemm-tune[heuristics]'), our model for what it cannot express (stream-K, families "
+                      "other than cute_sm90). Nearby winners move up either way; `hgemm-tune rank-check` "
+                      "compares the two on measured studies.")]
 CatalogueOut = Annotated[Path, typer.Option("-o", "--output", help="The catalogue file to write (a zip); when "
                                                                   "it exists, its kernels are kept, not rebuilt.")]
 Update = Annotated[Path | None, typer.Option(

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from tuner.cli import options as o
 from tuner.cli.views import console, fmt, out_console
 from tuner.errors import UserError
+from tuner.search.rank import RankQuality
 
 
 def _parse_sets(sets: list[str]) -> dict:
@@ -148,33 +150,51 @@ def rank_check(
     top: Annotated[int, typer.Option("--top", min=1, help="Was the measured fastest among the predicted top N?")
                    ] = 5,
     study: Annotated[list[str] | None, typer.Option(help="Only these studies (default: all).")] = None,
+    space_file: o.SpaceFile = None,
 ) -> None:
     """How well the catalogue ranking (`tune`/`sweep --catalogue`) predicted what was measured, per
-    study that timed ranked catalogue candidates: the measured place of the predicted #1, the
-    Spearman rank correlation of predicted order and measured times (1: perfect, 0: none), and
-    whether the measured fastest was in the predicted top N. To measure the whole ranking, let a
-    study time every candidate (default --catalogue-top, --trials at least the catalogue's size)."""
+    study that timed ranked catalogue candidates: the Spearman rank correlation of predicted order
+    and measured times (1: perfect, 0: none), the measured place of the predicted #1, and the
+    predicted rank of the measured fastest (red: outside the top N). "as run" is the ranking the
+    study recorded (neighbour credit included); each ranker column is that ranker's order
+    recomputed from the same candidates' configs, shape and target, without neighbour credit:
+    our cost model, and NVIDIA's nvMatmulHeuristics where its wheel is installed. To measure the
+    whole ranking, let a study time every candidate (default --catalogue-top, --trials at least
+    the catalogue's size, --patience 0)."""
     from tuner import api
+    from tuner.search import nvidia_heuristics
 
-    rows = api.rank_check(storage, top, study or None)
+    rows = api.rank_compare(storage, top, study or None, space_file)
     if not rows:
         raise UserError(f"storage {storage} holds no study with ranked catalogue trials "
                         "(run tune or sweep with --catalogue)")
-    simulated = any(q.simulated for q in rows)
-    table = Table("shape", "study", "ranked", "measured", "predicted #1 measured", "Spearman", f"best in top {top}",
-                  "best's rank", title="catalogue ranking vs measured" + ("  [SIMULATED]" if simulated else ""),
-                  caption="measured: ranked candidates verified and timed; predicted #1 measured: its place "
-                          "among them (1: fastest)")
-    for q in rows:
-        inside = {None: "-", True: "yes", False: "[red]no[/]"}[q.best_in_top]
+    rankers = list(rows[0][1])
+    simulated = any(q.simulated for q, _ in rows)
+
+    def cell(q: RankQuality | None) -> str:
+        if q is None:
+            return "-"
+        first = "-" if q.first_place is None else f"{q.first_place} of {q.measured}"
+        best = "-" if q.best_rank is None else (str(q.best_rank) if q.best_in_top else f"[red]{q.best_rank}[/]")
+        return f"{fmt(q.spearman, '+.2f')} / {first} / {best}"
+
+    table = Table("shape", "study", "ranked", "measured", "as run", *rankers,
+                  title="catalogue ranking vs measured" + ("  [SIMULATED]" if simulated else ""),
+                  caption=f"each ranking: Spearman / measured place of its predicted #1 / its rank of the measured "
+                          f"fastest (red: outside the top {top}); measured: ranked candidates verified and timed")
+    for q, by in rows:
         table.add_row(q.shape + (" [SIMULATED]" if q.simulated else ""), q.study, str(q.ranked), str(q.measured),
-                      "-" if q.first_place is None else f"{q.first_place} of {q.measured}",
-                      fmt(q.spearman, "+.2f"), inside, "-" if q.best_rank is None else str(q.best_rank))
+                      cell(q), *(cell(by[r]) for r in rankers))
     out_console.print(table)
-    hits = [q.best_in_top for q in rows if q.best_in_top is not None]
-    if hits:
-        console.print(f"measured fastest within the predicted top {top}: {sum(hits)} of {len(hits)} studies"
-                      + ("  [SIMULATED: replayed measurements]" if simulated else ""))
+    for label, got in [("as run", [q for q, _ in rows])] + [(r, [by[r] for _, by in rows]) for r in rankers]:
+        hits = [q.best_in_top for q in got if q is not None and q.best_in_top is not None]
+        rhos = sorted(q.spearman for q in got if q is not None and q.spearman is not None)
+        if hits:
+            console.print(f"{label}: measured fastest within the predicted top {top} at {sum(hits)} of {len(hits)} "
+                          f"studies" + (f", median Spearman {rhos[len(rhos) // 2]:+.2f}" if rhos else "")
+                          + ("  [SIMULATED: replayed measurements]" if simulated else ""))
+    if "nvidia" not in rankers:
+        console.print(escape(f"nvidia ranker not compared: its wheel is not installed ({nvidia_heuristics.EXTRA})"))
 
 
 def export(

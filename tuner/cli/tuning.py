@@ -48,6 +48,7 @@ def tune(
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
     catalogue_top: o.CatalogueTop = None,
+    rank_by: o.RankBy = "model",
     objective: o.Objective = "sustained",
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; confirm the best few
@@ -56,7 +57,7 @@ def tune(
                        sampler=sampler, seed=seed, timeout_s=timeout, backend=backend, replay=replay, arch=arch,
                        gpu=gpu, jobs=jobs, record=record, accumulate=accumulate, confirm_top=confirm,
                        confirm_runs=confirm_runs, catalogue=catalogue, catalogue_top=catalogue_top,
-                       objective=objective)
+                       rank_by=rank_by, objective=objective)
     try:
         with CliListener() as listener:
             res = api.tune_shape(shape, opts, listener, study=study, output=output, workers=workers)
@@ -132,6 +133,7 @@ def sweep(
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
     catalogue_top: o.CatalogueTop = None,
+    rank_by: o.RankBy = "model",
     objective: o.Objective = "sustained",
 ) -> None:
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable;
@@ -142,7 +144,7 @@ def sweep(
     opts = api.Options(trials=trials_per_shape, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
                        accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs, catalogue=catalogue,
-                       catalogue_top=catalogue_top, objective=objective)
+                       catalogue_top=catalogue_top, rank_by=rank_by, objective=objective)
     try:
         with CliListener(sweep=True) as listener:
             res = api.sweep(opts, shapes, time_per_shape=time_per_shape,

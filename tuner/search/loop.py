@@ -214,6 +214,7 @@ class Search:
                 if ranked is not None:  # kept with the trial: the model is checked against its time
                     p.record.catalogue_rank, p.record.predicted_us = ranked.rank, ranked.predicted_us
                     p.record.predicted_variant = dict(ranked.variant)
+                    p.record.predicted_by = ranked.predicted_by
                 if p.record.status == Status.INVALID:
                     tell(self.study, trial, p.record)
                     self.progress.invalid += 1

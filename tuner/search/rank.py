@@ -13,17 +13,24 @@ time whatever configs happen to be first. `rank_catalogue` orders them by two si
   best, at the nearest tuned shapes has its predicted time discounted, since a measurement at
   a near shape is better evidence than the model.
 
-`rank_quality` checks the ranking against what a study then measured (`hgemm-tune rank-check`).
+With `ranker="nvidia"` (`--rank-by nvidia`, the optional `heuristics` extra) NVIDIA's
+nvMatmulHeuristics estimates each variant it can express in place of the cost model
+(tuner.search.nvidia_heuristics); the neighbour credit applies the same way.
+
+`rank_quality` checks the ranking against what a study then measured (`hgemm-tune rank-check`);
+`rerank_quality` recomputes another ranker's order on the same study, to compare the two.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import optuna
 
+from tuner.errors import UserError
 from tuner.measure import config_key
 from tuner.search.records import StudyMeta, TrialRecord
 from tuner.search.sampler import NearPick, full_config
@@ -75,10 +82,13 @@ class Candidate:
     family: str
     config: dict[str, Any]       # compile-time knobs
     variant: dict[str, Any]      # the run-time knob values predicted fastest (every one is timed)
-    predicted_us: float          # the cost model's time at that variant
+    predicted_us: float          # the ranker's time at that variant
     score_us: float              # predicted_us after the neighbour credit: what orders candidates
     evidence: str                # why the credit ("won 4096x4096x8192"), "" when none
     rank: int                    # 1: tried first
+    # What predicted_us came from: "model" (predict_us), "nvidia" (nvMatmulHeuristics' estimate)
+    # or "model-scaled" (our model on its scale, for a config it cannot express).
+    predicted_by: str = "model"
 
     @property
     def key(self) -> str:
@@ -172,14 +182,50 @@ def _default_distance(fam: Family, variant: dict[str, Any]) -> int:
     return sum(1 for k, v in variant.items() if fam.knobs[k].default != v)
 
 
+RANKERS = ("model", "nvidia")
+
+
+def _nvidia_estimator(target: Target, accumulate: str) -> Callable[[dict[str, Any], Shape], float | None]:
+    """nvMatmulHeuristics' estimate of a full config at a shape (None: it cannot express the
+    config); a UserError when the wheel is missing. A target it has no GPU for estimates nothing."""
+    from tuner.search import nvidia_heuristics as nvh
+
+    nvh.load()
+    gpu = nvh.gpu_for(target)
+    if gpu is None:
+        return lambda full, shape: None
+    h = nvh.heuristic(gpu)
+    memo: dict[tuple[Any, str], float | None] = {}
+
+    def estimate(full: dict[str, Any], shape: Shape) -> float | None:
+        cfg = nvh.nv_config(full)
+        if cfg is None:
+            return None
+        if (cfg, str(shape)) not in memo:
+            memo[cfg, str(shape)] = h.estimate_us(cfg, shape, accumulate)
+        return memo[cfg, str(shape)]
+
+    return estimate
+
+
 def rank_catalogue(space: Space, configs: list[tuple[str, dict[str, Any]]], shape: Shape, target: Target,
-                   neighbours: list[NearPick] | None = None) -> Ranking:
+                   neighbours: list[NearPick] | None = None, *, ranker: str = "model",
+                   accumulate: str = "fp32") -> Ranking:
     """The configs (family, compile config), ranked for this shape: configs whose constraints
     reject the shape are dropped, each other one is predicted at its fastest valid run-time
     variant, discounted by the neighbour evidence, and sorted. Deterministic: ties keep
-    catalogue order."""
+    catalogue order.
+
+    ranker "model": our cost model (`predict_us`). "nvidia": NVIDIA's nvMatmulHeuristics
+    (tuner.search.nvidia_heuristics, the `heuristics` extra) estimates every variant it can
+    express; the others (stream-K, families other than cute_sm90) take our model's time scaled
+    onto its scale, and ties (it ignores stages, raster and swizzle) are broken by our model."""
+    if ranker not in RANKERS:
+        raise UserError(f"--rank-by {ranker!r}: choose one of {', '.join(RANKERS)}")
+    estimate = _nvidia_estimator(target, accumulate) if ranker == "nvidia" else None
     picks = neighbours or []
-    scored: list[tuple[float, float, int, Candidate]] = []
+    # Per config: (catalogue index, family, compile config, [(variant index, variant, model us, nvidia us)])
+    rows: list[tuple[int, str, dict[str, Any], list[tuple[int, dict[str, Any], float, float | None]]]] = []
     dropped: list[tuple[str, dict[str, Any], str]] = []
     seen: set[str] = set()
     for i, (name, config) in enumerate(configs):
@@ -193,9 +239,7 @@ def rank_catalogue(space: Space, configs: list[tuple[str, dict[str, Any]]], shap
         if why:
             dropped.append((name, dict(config), "; ".join(why)))
             continue
-        # Run-time variants the model cannot tell apart (raster, swizzle) predict the same time;
-        # among those the one nearest the defaults is named.
-        best: tuple[float, int, int, dict[str, Any]] | None = None
+        variants: list[tuple[int, dict[str, Any], float, float | None]] = []
         memo: dict[Tile | None, float] = {}
         for j, v in enumerate(fam.runtime_variants() or [{}]):
             if v and fam.violations(full | v, shape, target):
@@ -203,20 +247,45 @@ def rank_catalogue(space: Space, configs: list[tuple[str, dict[str, Any]]], shap
             tile = tile_of(fam, full | v, shape, target)
             if tile not in memo:
                 memo[tile] = predict_us(tile, name, shape, target)
-            cand = (memo[tile], _default_distance(fam, v), j, v)
-            if best is None or cand[:3] < best[:3]:
-                best = cand
-        if best is None:
+            variants.append((j, v, memo[tile], estimate(full | v, shape) if estimate else None))
+        if not variants:
             dropped.append((name, dict(config), "no run-time variant passes the constraints"))
             continue
-        credit, evidence = _credit(picks, name, fam.compile_config(full))
+        rows.append((i, name, fam.compile_config(full), variants))
+    # The two scales: the heuristic's absolute times are not ours (about twice the datasheet
+    # rate's with fp32 accumulation), so a variant it cannot express takes our model's time times
+    # the median ratio of its estimate to our model's over the variants both estimated at this
+    # shape (1 when it estimated none): the fallbacks land where our model puts them relative
+    # to the heuristic's own order, on its scale.
+    both = sorted(nv / model for *_, variants in rows for _, _, model, nv in variants if nv is not None)
+    scale = _median(both) if both else 1.0
+    scored: list[tuple[float, float, int, Candidate]] = []
+    for i, name, config, variants in rows:
+        fam = space.family(name)
+        best: tuple[float, float, int, int, dict[str, Any], str] | None = None
+        for j, v, model, nv in variants:
+            # Run-time variants neither model tells apart (raster, swizzle) predict the same time;
+            # among those the one nearest the defaults is named.
+            if ranker == "model":
+                us, by = model, "model"
+            else:
+                us, by = (nv, "nvidia") if nv is not None else (model * scale, "model-scaled")
+            cand = (us, model, _default_distance(fam, v), j, v, by)
+            if best is None or cand[:4] < best[:4]:
+                best = cand
+        assert best is not None
+        credit, evidence = _credit(picks, name, config)
         score = best[0] * credit
-        scored.append((score, best[0], i, Candidate(name, fam.compile_config(full), best[3], round(best[0], 3),
-                                                    round(score, 3), evidence, 0)))
+        scored.append((score, best[1], i, Candidate(name, config, best[4], round(best[0], 3), round(score, 3),
+                                                    evidence, 0, best[5])))
     scored.sort(key=lambda s: s[:3])
-    ranked = [Candidate(c.family, c.config, c.variant, c.predicted_us, c.score_us, c.evidence, r)
-              for r, (*_, c) in enumerate(scored, 1)]
+    ranked = [replace(c, rank=r) for r, (*_, c) in enumerate(scored, 1)]
     return Ranking(ranked, dropped)
+
+
+def _median(values: list[float]) -> float:
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 # ---- how good the ranking was ----------------------------------------------------------------
@@ -281,10 +350,53 @@ def rank_quality(study: optuna.Study, top: int = 5) -> RankQuality | None:
         rec = TrialRecord.of(t)
         if rec.catalogue_rank is not None and rec.time_us is not None:
             times[rec.catalogue_rank] = min(rec.time_us, times.get(rec.catalogue_rank, math.inf))
+    return _quality(study, len(ranked), times, top)
+
+
+def rerank_quality(study: optuna.Study, space: Space, ranker: str, top: int = 5) -> RankQuality | None:
+    """`rank_quality` of another ranker on the same study: the study's ranked catalogue candidates
+    (their recorded configs, in recorded order, which only breaks exact ties) ranked again by
+    `ranker` from the config, the study's shape, target and accumulation, with no neighbour
+    credit (the storage now holds this study's own result and later ones), against the times the
+    study measured. Candidates whose family or knobs the space no longer has are left out. The
+    same computation for "model" and "nvidia" puts the two rankers side by side (rank-check)."""
+    trials = study.get_trials(deepcopy=False)
+    recorded: dict[str, tuple[int, str, dict[str, Any]]] = {}
+    for t in trials:
+        rec = TrialRecord.of(t)
+        if t.state.is_finished() and rec.catalogue_rank is not None:
+            recorded.setdefault(config_key(rec.family, rec.config), (rec.catalogue_rank, rec.family, rec.config))
+    if not recorded:
+        return None
+    configs = [(f, c) for _, f, c in sorted(recorded.values(), key=lambda r: r[0]) if in_space(space, f, c)]
+    meta = StudyMeta.of(study)
+    ranking = rank_catalogue(space, configs, meta.shape_record, meta.target_record, ranker=ranker,
+                             accumulate=meta.accumulate)
+    rank_of = {c.key: c.rank for c in ranking.candidates}
+    times: dict[int, float] = {}
+    for t in current_ok(trials, study_gpu(study)):
+        rec = TrialRecord.of(t)
+        r = rank_of.get(config_key(rec.family, rec.config))
+        if r is not None and rec.time_us is not None:
+            times[r] = min(rec.time_us, times.get(r, math.inf))
+    return _quality(study, len(ranking.candidates), times, top)
+
+
+def in_space(space: Space, family: str, config: dict[str, Any]) -> bool:
+    """A config the space still has (its families and knob lists may have changed since)."""
+    try:
+        space.family(family).complete(config)
+    except UserError:
+        return False
+    return True
+
+
+def _quality(study: optuna.Study, ranked: int, times: dict[int, float], top: int) -> RankQuality:
+    """The quality figures of one ranking (rank -> best measured time of that candidate)."""
     meta = StudyMeta.of(study)
     order = sorted(times, key=lambda r: (times[r], r))  # measured fastest first
     return RankQuality(
-        study=study.study_name, shape=meta.shape, simulated=meta.simulated, measured=len(times), ranked=len(ranked),
+        study=study.study_name, shape=meta.shape, simulated=meta.simulated, measured=len(times), ranked=ranked,
         first_place=order.index(1) + 1 if 1 in times else None,
         spearman=spearman([float(r) for r in times], list(times.values())),
         best_rank=order[0] if order else None, top=top)

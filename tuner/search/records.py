@@ -91,6 +91,8 @@ class TrialRecord:
     catalogue_rank: int | None = None
     predicted_us: float | None = None
     predicted_variant: dict[str, Any] = field(default_factory=dict)
+    # Which ranker's time predicted_us is (Candidate.predicted_by: model, nvidia, model-scaled).
+    predicted_by: str | None = None
     # Read back only: the trial's number and value (its time in us when COMPLETE).
     number: int | None = field(default=None, compare=False)
     value: float | None = field(default=None, compare=False)

@@ -8,6 +8,7 @@ its arrival counter's red.add (REDG), no spills. cute_sm80 must use mma.sync
 
 from __future__ import annotations
 
+import ctypes
 import random
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,19 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
         assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["ACQBULK"] > 0 and ops["PREEXIT"] > 0, dict(ops)
         assert ops["REDG"] > 0 and ops["UTMASTG"] == 0 and cutlass_ops["UTMASTG"] > 0, (dict(ops), dict(cutlass_ops))
         assert ops["LDL"] == 0 and ops["STL"] == 0, dict(ops)
+    # hgemm_run's split-K guards return before any CUDA call, so they run here: a grid of more CTAs than
+    # SMs is refused (1: a tile's splits wait for each other, all must be resident), a split-K call
+    # without a workspace too (2). hgemm_workspace: 16 tiles x 8 splits x 64x64 fp32, 256 B of counters.
+    i, p = ctypes.c_int, ctypes.c_void_p
+    lib = ctypes.CDLL(results[4].cubin)
+    lib.hgemm_run.argtypes = [p, p, p, i, i, i, i, i, i, i, i, i, p, p]
+    lib.hgemm_workspace.argtypes = [i] * 8
+    lib.hgemm_workspace.restype = ctypes.c_size_t
+    assert lib.hgemm_workspace(256, 256, 8192, 2, 1, 8, 0, 132) == 16 * 8 * 64 * 64 * 4 + 256
+    assert lib.hgemm_workspace(256, 256, 8192, 2, 1, 1, 0, 132) == 0
+    assert lib.hgemm_run(None, None, None, 256, 256, 8192, 2, 1, 16, 0, 0, 132, None, None) == 1  # 256 CTAs
+    assert lib.hgemm_run(None, None, None, 256, 256, 8192, 2, 1, 8, 0, 0, 100, None, None) == 1   # 128 > 100
+    assert lib.hgemm_run(None, None, None, 256, 256, 8192, 2, 1, 8, 0, 0, 132, None, None) == 2   # no workspace
 
 
 def test_cute_sm80_uses_mma_sync_cp_async_and_ldmatrix(space, tmp_path):

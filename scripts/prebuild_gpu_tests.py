@@ -54,6 +54,10 @@ def jobs() -> list[tuple[str, str, str]]:
         add(f"cute_sm90 {cfg} (as given)", "cute_sm90", sm90.complete(cfg))
     basic = next(s for s in sm90.seeds if s.get("SCHEDULE") == "basic")  # test_cute_sm90_basic_schedule_...
     add(f"cute_sm90 {basic}", "cute_sm90", full_config(sm90, sm90.compile_config(sm90.complete(basic))))
+    for tile in ({"TILE_M": 64, "TILE_N": 64, "STAGES": 6}, {"TILE_M": 128, "TILE_N": 128, "STAGES": 3}):
+        split = {**tile, "SCHEDULE": "basic", "CLUSTER_M": 1}  # test_cute_sm90_basic_split_k_*
+        add(f"cute_sm90 {split}", "cute_sm90", full_config(sm90, sm90.compile_config(sm90.complete(split))))
+        add(f"cute_sm90 {split} (as given)", "cute_sm90", sm90.complete(split))
     # The seeds the tests' short studies try first (tune(..., trials=2-4) on these shapes).
     for shape_s in ("512x384x256", "1001x520x336"):
         shape = parse_shape(shape_s)

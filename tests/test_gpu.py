@@ -161,6 +161,79 @@ def test_cute_sm90_split_k_variants_verify_on_tails(space, backend):
             assert any(v["DECOMP"] == decomp and v["REDUCTION"] == reduction for v in timed), (decomp, reduction)
 
 
+@pytest.mark.parametrize(("tile", "shape_s"), [((64, 64, 6), "127x136x2120"), ((128, 128, 3), "333x200x4096")])
+def test_cute_sm90_basic_split_k_verifies_on_tails_at_every_split_count(space, backend, tile, shape_s):
+    """SCHEDULE=basic's split-K (our SplitKBasicKernel, docs/decisions/0039): every split count passes the
+    random check (the worker checks each run-time variant) on shapes with M, N and K tails (K = 2120:
+    33 full k-tiles and one of 8 columns, split 16 ways into k-ranges of 2 or 3 tiles), and is timed."""
+    from tuner.build import CompilePool
+
+    fam = space.family("cute_sm90")
+    tm, tn, stages = tile
+    config = fam.compile_config(fam.complete({"TILE_M": tm, "TILE_N": tn, "SCHEDULE": "basic", "STAGES": stages,
+                                              "CLUSTER_M": 1}))
+    shape = parse_shape(shape_s)  # 6 output tiles: 96 CTAs at 16 splits, one wave
+    for decomp in ("split_2", "split_4", "split_8", "split_16"):
+        assert not fam.violations(fam.complete(config | {"DECOMP": decomp}), shape, backend.target), decomp
+    pool = CompilePool(2)
+    rec = finish(prepare(fam, config, shape, backend, pool), shape, backend, 120)
+    pool.close()
+    assert rec.status == "ok", rec.reason
+    timed = {json.loads(k)["DECOMP"] for k in rec.variant_times_us}
+    assert timed == {"data_parallel", "split_2", "split_4", "split_8", "split_16"}, timed
+
+
+def test_cute_sm90_basic_split_k_is_bitwise_reproducible_in_graphs_and_with_pdl(space, backend):
+    """The basic split-K's reduction adds the splits in a fixed order, so repeated calls give the same
+    bits whatever order the splits finish in: plain launches, PDL launches back to back (no sync in
+    between: the next call's counter memset and kernel queue behind this one), and replays of a CUDA
+    graph that captured one call (the memset node zeroes the counters on every replay). Each result is
+    near an fp32 reference. A grid larger than the SM count is refused by hgemm_run (code 1), not run."""
+    import cupy
+
+    from tuner.measure import launch_spec
+    from tuner.measure.candidates import LaunchRefused, load_candidate
+
+    fam = space.family("cute_sm90")
+    full = fam.complete({"TILE_M": 64, "TILE_N": 64, "SCHEDULE": "basic", "STAGES": 6, "CLUSTER_M": 1})
+    shape = parse_shape("256x256x8192")  # 16 tiles of 64x64
+    M, N, K = shape.M, shape.N, shape.K
+    built = compile_source(render(fam, full, "sm_90a"), "sm_90a", artifact=fam.artifact)
+    assert built.ok, built.error
+    launch = launch_spec(fam, full, shape, backend.target)
+    plain = load_candidate(built.cubin, launch, built.digest)
+    pdl = load_candidate(built.cubin, dataclasses.replace(launch, pdl=True), built.digest)
+    rng = cupy.random.default_rng(7)
+    a = rng.standard_normal((M, K), dtype=cupy.float32).astype(cupy.float16)
+    b = rng.standard_normal((N, K), dtype=cupy.float32).astype(cupy.float16)
+    ref = a.astype(cupy.float32) @ b.astype(cupy.float32).T
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for decomp in ("split_2", "split_4", "split_8"):
+        variant = fam.runtime_config(full) | {"DECOMP": decomp}
+        assert not fam.violations(full | variant, shape, backend.target)
+        outs = [cupy.full((M, N), cupy.nan, dtype=cupy.float16) for _ in range(12)]
+        plain.reserve(M, N, K, [variant])
+        pdl.reserve(M, N, K, [variant])
+        with stream:
+            for c in outs[:4]:
+                plain.run(a, b, c, M, N, K, variant, stream)
+            for c in outs[4:8]:
+                pdl.run(a, b, c, M, N, K, variant, stream)
+            stream.begin_capture()
+            pdl.run(a, b, outs[8], M, N, K, variant, stream)
+            graph = stream.end_capture()
+            for c in outs[9:]:
+                graph.launch(stream)
+                c[...] = outs[8]
+        stream.synchronize()
+        for i, c in enumerate(outs[1:], 1):
+            assert bool(cupy.array_equal(c, outs[0])), f"{decomp}: call {i} differs from call 0"
+        err = float(cupy.abs(outs[0].astype(cupy.float32) - ref).max())
+        assert err < 2.0 ** -8 * float(cupy.abs(ref).max()) + 0.1, (decomp, err)
+    with pytest.raises(LaunchRefused):  # 16 tiles x 16 splits = 256 CTAs > the SM count
+        plain.run(a, b, outs[0], M, N, K, fam.runtime_config(full) | {"DECOMP": "split_16"}, stream)
+
+
 def test_cute_sm90_l2_hints_in_a_2x2_cluster_and_pdl_launch_verify_on_a_tail(space, backend):
     """Our producer loop (L2_HINT) computes the multicast masks itself: in a 2x2 cluster both
     operands are multicast. It must pass the full check on a tail shape, launched plainly and

@@ -93,6 +93,19 @@ def test_cute_sm90_our_kernel_body_renders_only_when_asked_and_where_it_applies(
         assert any("our kernel body" in v for v in violations), (other, violations)
 
 
+def test_cute_sm90_basic_split_k_kernel_renders_beside_cutlass_kernel_in_1x1_clusters_only(space):
+    """SCHEDULE=basic in a 1x1 cluster adds our split-K kernel (SplitKBasicKernel, launched for
+    splits > 1) beside CUTLASS's, which still serves splits == 1 (LaunchedKernel unchanged); a basic
+    build in a cluster and every other schedule render no split-K code, so their source is as before."""
+    fam = space.family("cute_sm90")
+    basic = fam.complete({"TILE_M": 64, "TILE_N": 64, "SCHEDULE": "basic", "STAGES": 6, "CLUSTER_M": 1})
+    src = render(fam, basic, "sm_90a")
+    assert "struct SplitKBasicKernel" in src and "device_kernel<SplitKKernel>" in src
+    assert "using LaunchedKernel = GemmKernel;" in src and "cudaMemsetAsync" in src
+    for other in (basic | {"CLUSTER_N": 2}, fam.complete({}), fam.complete({"SCHEDULE": "pingpong", "TILE_M": 64})):
+        assert "SplitK" not in render(fam, other, "sm_90a"), other
+
+
 def test_cute_sm90_wider_epilogue_subtiles_render_only_when_asked(space, h200):
     """EPI_TILE_N=32 leaves CUTLASS's EpilogueTileAuto (and so every stored study's code) as it was;
     64/128 pass an explicit subtile of the schedule's epilogue rows, count its two shared-memory

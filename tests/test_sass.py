@@ -2,11 +2,13 @@
 
 cute_sm90 must issue wgmma (HGMMA) fed by TMA loads (UTMALDG); the shipped default and
 seed configs (the non-persistent `basic` schedule among them) must not spill to local memory
-(no LDL/STL). cute_sm80 must use mma.sync
+(no LDL/STL). A basic library also holds our split-K kernel (SplitKBasicKernel): TMA-fed wgmma too,
+its arrival counter's red.add (REDG), no spills. cute_sm80 must use mma.sync
 (HMMA), cp.async (LDGSTS) and ldmatrix (LDSM)."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tuner.build import compile_source, render
-from tuner.build.sass import dump_sass, opcode_counts, static_shared_bytes
+from tuner.build.sass import dump_sass, kernels_sass, opcode_counts, static_shared_bytes
 from tuner.space import parse_shape
 
 pytestmark = pytest.mark.nvcc
@@ -48,8 +50,13 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     # the non-persistent kernel (SCHEDULE basic) on a small-shape seed's tile
     basic = fam.complete(next(s for s in fam.seeds if s.get("SCHEDULE") == "basic"))
     assert not fam.violations(basic, parse_shape("1024x1024x1024"), h200)
-    results = _compile_all(fam, [default, pingpong, sampled, own_body, basic], tmp_path)
-    for cfg, res in zip([default, pingpong, sampled, own_body, basic], results, strict=True):
+    # and its largest split-K seed tile (128x128: 128 fp32 accumulators per consumer thread)
+    basic_big = fam.complete({"TILE_M": 128, "TILE_N": 128, "SCHEDULE": "basic", "STAGES": 3, "CLUSTER_M": 1})
+    assert basic_big in [fam.complete(s) for s in fam.seeds_for(parse_shape("256x256x8192"))]
+    assert not fam.violations(basic_big | {"DECOMP": "split_16"}, parse_shape("256x256x8192"), h200)
+    configs = [default, pingpong, sampled, own_body, basic, basic_big]
+    results = _compile_all(fam, configs, tmp_path)
+    for cfg, res in zip(configs, results, strict=True):
         assert res.ok, f"{fam.compile_config(cfg)}: {res.error}"
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["HGMMA"] > 0, f"no wgmma in {fam.compile_config(cfg)}: {dict(ops)}"
@@ -67,10 +74,35 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
     assert set(static_shared_bytes(results[3].cubin).values()) == system_reserve, "static shared memory in our body"
     # PDL both ways in the basic kernel: it waits for its predecessor and lets its dependents start early
     assert opcode_counts(dump_sass(results[4].cubin))["PREEXIT"] > 0, "basic: no griddepcontrol.launch_dependents"
-    for cfg, res in zip([default, pingpong, own_body, basic], [*results[:2], *results[3:]], strict=True):
+    for cfg, res in zip([default, pingpong, own_body, basic, basic_big], [*results[:2], *results[3:]], strict=True):
         ops = opcode_counts(dump_sass(res.cubin))
         assert ops["LDL"] == 0 and ops["STL"] == 0, f"local-memory spills in {fam.compile_config(cfg)}: {dict(ops)}"
         assert res.spill_bytes == 0
+    # A basic library holds two kernels: CUTLASS's (data-parallel, TMA store) and our split-K one, which
+    # loads by TMA into wgmma, waits for its predecessor before its first global access (PDL), counts
+    # its split in with a red.add and stores no tile by TMA (its reduction writes C from registers).
+    for res in results[4:]:
+        kernels = kernels_sass(dump_sass(res.cubin))
+        split = [sass for name, sass in kernels.items() if "SplitKBasicKernel" in name]
+        plain = [sass for name, sass in kernels.items() if "SplitKBasicKernel" not in name]
+        assert len(split) == 1 and len(plain) == 1, list(kernels)
+        ops, cutlass_ops = opcode_counts(split[0]), opcode_counts(plain[0])
+        assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["ACQBULK"] > 0 and ops["PREEXIT"] > 0, dict(ops)
+        assert ops["REDG"] > 0 and ops["UTMASTG"] == 0 and cutlass_ops["UTMASTG"] > 0, (dict(ops), dict(cutlass_ops))
+        assert ops["LDL"] == 0 and ops["STL"] == 0, dict(ops)
+    # hgemm_run's split-K guards return before any CUDA call, so they run here: a grid of more CTAs than
+    # SMs is refused (1: a tile's splits wait for each other, all must be resident), a split-K call
+    # without a workspace too (2). hgemm_workspace: 16 tiles x 8 splits x 64x64 fp32, 256 B of counters.
+    i, p = ctypes.c_int, ctypes.c_void_p
+    lib = ctypes.CDLL(results[4].cubin)
+    lib.hgemm_run.argtypes = [p, p, p, i, i, i, i, i, i, i, i, i, p, p]
+    lib.hgemm_workspace.argtypes = [i] * 8
+    lib.hgemm_workspace.restype = ctypes.c_size_t
+    assert lib.hgemm_workspace(256, 256, 8192, 2, 1, 8, 0, 132) == 16 * 8 * 64 * 64 * 4 + 256
+    assert lib.hgemm_workspace(256, 256, 8192, 2, 1, 1, 0, 132) == 0
+    assert lib.hgemm_run(None, None, None, 256, 256, 8192, 2, 1, 16, 0, 0, 132, None, None) == 1  # 256 CTAs
+    assert lib.hgemm_run(None, None, None, 256, 256, 8192, 2, 1, 8, 0, 0, 100, None, None) == 1   # 128 > 100
+    assert lib.hgemm_run(None, None, None, 256, 256, 8192, 2, 1, 8, 0, 0, 132, None, None) == 2   # no workspace
 
 
 def test_cute_sm80_uses_mma_sync_cp_async_and_ldmatrix(space, tmp_path):

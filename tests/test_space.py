@@ -206,3 +206,33 @@ def test_stored_configs_drop_the_retired_accum_knob_only(space):
     assert sm90.complete_stored({"ACCUM": "fp32", "TILE_N": 128}) == sm90.complete({"TILE_N": 128})
     with pytest.raises(UserError, match="unknown knob"):
         sm90.complete_stored({"ACCUM": "fp32", "BOGUS": 1})
+
+
+def test_basic_split_k_is_deterministic_and_fits_one_wave(space, h200):
+    """SCHEDULE basic runs split-K in our kernel body (docs/decisions/0039): deterministic reduction
+    only, 1x1 clusters only, and tiles x splits within the SM count (a tile's splits wait for each
+    other, so all must be resident at once). Stream-K still needs the stream-K scheduler, and split-K
+    on the other schedules too."""
+    import dataclasses
+
+    fam = space.family("cute_sm90")
+    shape = parse_shape("256x256x8192")  # 16 tiles of 64x64
+    basic = fam.complete({"TILE_M": 64, "TILE_N": 64, "SCHEDULE": "basic", "STAGES": 6, "CLUSTER_M": 1})
+    for decomp in ("data_parallel", "split_2", "split_4", "split_8"):  # up to 128 CTAs on 132 SMs
+        assert fam.violations(basic | {"DECOMP": decomp}, shape, h200) == [], decomp
+    why = fam.violations(basic | {"DECOMP": "split_16"}, shape, h200)  # 256 CTAs
+    assert why == ["basic split-K waits for every split of a tile: tiles x splits must fit one wave (sm_count CTAs)"]
+    # the SM count is the target's: on 66 SMs split_4 (64 CTAs) fits, split_8 (128) does not
+    half = dataclasses.replace(h200, sm_count=66)
+    assert fam.violations(basic | {"DECOMP": "split_4"}, shape, half) == []
+    assert any("one wave" in w for w in fam.violations(basic | {"DECOMP": "split_8"}, shape, half))
+    nondet = fam.violations(basic | {"DECOMP": "split_4", "REDUCTION": "nondeterministic"}, shape, h200)
+    assert nondet == ["basic's split-K reduction is deterministic only (a fixed-order sum, in parallel)"]
+    assert any("stream-K scheduler" in w for w in fam.violations(basic | {"DECOMP": "stream_k"}, shape, h200))
+    cluster = basic | {"CLUSTER_N": 2}
+    assert fam.violations(cluster, shape, h200) == []  # data-parallel in a cluster, as before
+    assert fam.violations(cluster | {"DECOMP": "split_4"}, shape, h200) == ["basic split-K runs in 1x1 clusters only"]
+    pingpong = fam.complete({"TILE_M": 64, "TILE_N": 64, "SCHEDULE": "pingpong", "STAGES": 6, "CLUSTER_M": 1})
+    assert any("stream-K scheduler" in w for w in fam.violations(pingpong | {"DECOMP": "split_4"}, shape, h200))
+    streamk = fam.complete({"TILE_N": 64, "SCHEDULER": "streamk", "STAGES": 8, "CLUSTER_M": 1})
+    assert fam.violations(streamk | {"DECOMP": "split_4", "REDUCTION": "nondeterministic"}, shape, h200) == []

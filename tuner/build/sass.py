@@ -17,8 +17,9 @@ from tuner.errors import UserError
 
 # Opcode families we care about (the first word of a SASS instruction, before any '.').
 # ACQBULK is griddepcontrol.wait (PDL: wait for the previous kernel's memory), PREEXIT is
-# griddepcontrol.launch_dependents.
-WATCH = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDL", "STL", "ACQBULK", "PREEXIT")
+# griddepcontrol.launch_dependents; REDG a global reduction without a result (red.add: a split-K
+# arrival counter).
+WATCH = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDL", "STL", "ACQBULK", "PREEXIT", "REDG")
 
 
 def cuobjdump_path() -> str:
@@ -63,6 +64,12 @@ def static_shared_bytes(binary: str | Path) -> dict[str, int]:
     if not found:
         raise UserError(f"cuobjdump -res-usage of {binary}: no SHARED size in {report.strip()[:300]}")
     return {name: int(size) for name, size in found}
+
+
+def kernels_sass(sass: str) -> dict[str, str]:
+    """A dump_sass text cut into its kernels: {mangled name: that kernel's SASS}."""
+    parts = re.split(r"\n\s*Function : (\S+)", sass)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def opcode_counts(sass: str) -> Counter:

@@ -71,6 +71,7 @@ class Tile:
     splits: int = 1            # split-K parts per output tile
     stream_k: bool = False     # k-iterations spread evenly over the SMs
     deterministic: bool = True  # partials added in k order (each split waits for the one before)
+    parallel_reduction: bool = False  # each split adds up 1/splits of its tile at once (basic's split-K)
     pingpong: bool = False     # one warpgroup's epilogue under the other's MMAs
     ctas_per_sm: int = 1
 
@@ -112,8 +113,8 @@ def tile_of(fam: Family, full: dict[str, Any], shape: Shape, target: Target) -> 
             ctas = max(min(SM_SMEM // smem if smem else 1, SM_THREADS // 256), 1)
         return Tile(full["TILE_M"], full["TILE_N"], full["TILE_K"], int(full.get("CLUSTER_M", 1)),
                     int(full.get("CLUSTER_N", 1)), splits, decomp == "stream_k",
-                    full.get("REDUCTION", "deterministic") == "deterministic", full.get("SCHEDULE") == "pingpong",
-                    ctas)
+                    full.get("REDUCTION", "deterministic") == "deterministic", full.get("SCHEDULE") == "basic",
+                    full.get("SCHEDULE") == "pingpong", ctas)
     if {"BM", "BN", "BK"} <= set(full):  # cubin families: as many CTAs per SM as smem and threads allow
         env = fam.env(full, shape, target)
         smem, threads = int(env.get("smem_bytes", 0) or 0), int(env.get("threads", 128) or 128)
@@ -139,17 +140,20 @@ def predict_us(tile: Tile | None, family: str, shape: Shape, target: Target) -> 
     k_iters = math.ceil(K / tile.k)
     # CTAs resident at once: clusters take whole groups of SMs.
     group = tile.cluster_m * tile.cluster_n
-    slots = max((sms // group) * group, 1) * tile.ctas_per_sm
+    sm_slots = max((sms // group) * group, 1)
+    slots = sm_slots * tile.ctas_per_sm
     # One k-step of one CTA: its MMAs at the SM's share of the peak, or the operand tiles at its
     # share of L2 bandwidth, whichever is slower. A cluster multicasts A along N and B along M.
     # Narrow tiles issue narrow MMAs (wgmma n64 runs below n256): TN / (TN + 16).
     sm_rate = peak / sms * tile.n / (tile.n + 16)
     rows, cols = min(tile.m, M), min(tile.n, N)
     feed = 2 * tile.k * (rows / tile.cluster_n + cols / tile.cluster_m)
-    step_us = max(2 * tile.m * tile.n * tile.k / sm_rate, feed / (L2_TBS * 1e6 / sms)) * tile.ctas_per_sm
+    alone_us = max(2 * tile.m * tile.n * tile.k / sm_rate, feed / (L2_TBS * 1e6 / sms))  # one CTA on its SM
+    step_us = alone_us * tile.ctas_per_sm
     overhead = TILE_OVERHEAD_US / (2 if tile.pingpong else 1)
     # A split's partial tile goes to the workspace and is read back (fp32): in k order the splits
-    # also wait on each other, about half of them in turn.
+    # also wait on each other, about half of them in turn. basic's parallel reduction: each CTA
+    # writes its partial tile and reads 1/splits of every split's, one tile in all, at once.
     fixup = 2 * 4 * tile.m * tile.n / (L2_TBS * 1e6 / sms)
     if tile.stream_k:
         # Every tile's k-iterations spread evenly over the slots: no wave tail, one partial
@@ -158,10 +162,14 @@ def predict_us(tile: Tile | None, family: str, shape: Shape, target: Target) -> 
         mainloop = per_cta * step_us + (math.ceil(tiles / slots) + 1) * overhead + (fixup if tiles % slots else 0)
     else:
         units = tiles * tile.splits
-        waves = math.ceil(units / slots)  # the last wave may leave SMs idle: quantization
-        unit = math.ceil(k_iters / tile.splits) * step_us + overhead
+        # CTAs sharing an SM: as many as fit where the grid fills every SM, one each where it does not
+        # (a one-wave split-K grid of basic's small CTAs runs each on its own SM).
+        share = min(tile.ctas_per_sm, math.ceil(units / sm_slots))
+        waves = math.ceil(units / (sm_slots * share))  # the last wave may leave SMs idle: quantization
+        unit = math.ceil(k_iters / tile.splits) * alone_us * share + overhead
         if tile.splits > 1:
-            unit += fixup * (tile.splits / 2 if tile.deterministic else 1)
+            in_turn = tile.deterministic and not tile.parallel_reduction
+            unit += fixup * (tile.splits / 2 if in_turn else 1)
         mainloop = waves * unit
     return LAUNCH_US + max(mainloop, dram_us)
 

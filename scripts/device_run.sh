@@ -47,11 +47,15 @@ for step in "$@"; do
         | tee "$OUT/small_sweep.log" | tail -12; cp runs/small.json "$OUT/"
       timeout "$(cap 200)" python3 -m tuner.cli bench runs/small.json --mode both --repeats "${REPEATS:-3}" \
         --out runs/bench_small 2>&1 | tee "$OUT/small_bench.log" | tail -40; cp runs/bench_small/bench.md "$OUT/small_bench.md"
-      # ncu: every GEMM kernel of one isolated bench run (ours: CUTLASS's device_kernel; cuBLAS's nvjet/sm90 kernels)
-      timeout "$(cap 150)" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet|gemm|xmma" \
-        --section SpeedOfLight --section LaunchStats --launch-count "${NCU_LAUNCHES:-80}" --csv --page details \
-        python3 -m tuner.cli bench runs/small.json --mode isolated --out runs/bench_ncu > "$OUT/small_ncu.csv" \
-        2> "$OUT/small_ncu.err"; tail -3 "$OUT/small_ncu.err"
+      # ncu, one shape at a time: the first GEMM launches of an isolated bench run (verification, then
+      # timing: ours is CUTLASS's device_kernel, cuBLAS's are nvjet/sm90 kernels): name, grid, duration
+      python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+for i, e in enumerate(d["entries"]): json.dump(d | {"entries": [e]}, open(f"runs/small_{i}.json", "w"))' runs/small.json
+      for f in runs/small_[0-9]*.json; do
+        timeout "$(cap 60)" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet|gemm|xmma" \
+          --section SpeedOfLight --section LaunchStats --launch-count "${NCU_LAUNCHES:-40}" --csv --page details \
+          python3 -m tuner.cli bench "$f" --mode isolated --out runs/bench_ncu >> "$OUT/small_ncu.csv" 2>> "$OUT/small_ncu.err"
+      done; tail -3 "$OUT/small_ncu.err"
       python3 -m tuner.cli rank-check sqlite:///runs/small.db --top 5 2>&1 | tee "$OUT/small_rank.log" | tail -20 ;;
     package)  # the export -> one library (nvcc here: 16 cores) and the PyTorch shim for this torch
       # and, for check-package, the same export with our kernel forced at every bucket (correctness at every M)

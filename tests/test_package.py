@@ -228,6 +228,12 @@ def test_torch_operator_builds_and_checks_its_inputs_without_a_gpu(packaged):
     graph = make_fx(lambda a, b: torch.ops.hgemm.linear(a, b).relu(), tracing_mode="fake")(
         torch.empty(9, 512, dtype=torch.float16), torch.empty(256, 512, dtype=torch.float16))
     assert "hgemm.linear" in str(graph.code)
+    # symbolic tracing (torch.compile with dynamic M): the output's rows stay the input's symbol, not
+    # a number, so one compiled graph serves every token count
+    sym = make_fx(lambda a, b: torch.ops.hgemm.linear(a, b), tracing_mode="symbolic")(
+        torch.empty(9, 512, dtype=torch.float16), torch.empty(256, 512, dtype=torch.float16))
+    out = [n for n in sym.graph.nodes if n.op == "call_function" and "hgemm" in str(n.target)][0].meta["val"]
+    assert isinstance(out.shape[0], torch.SymInt) and not out.shape[0].node.is_constant(), out.shape
     with pytest.raises(RuntimeError, match="must be float16"):
         torch.ops.hgemm.linear(x.float(), w)
     with pytest.raises(RuntimeError, match="in_features"):

@@ -99,9 +99,24 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const std::opti
   return y;
 }
 
+// Shapes for fake tensors and torch.compile, in SymInts throughout: a concrete size() here would
+// specialize the compiled graph to one M, and torch.compile would then recompile for every token
+// count (seen on an H100: the recompile limit hit at the ninth M).
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  check_inputs(x, w, bias);
-  return at::empty(out_shape(x, w), x.options());
+  TORCH_CHECK(x.scalar_type() == at::kHalf && w.scalar_type() == at::kHalf,
+              "hgemm.linear: x and weight must be float16, got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 2, "hgemm.linear: weight must be 2-D [out_features, in_features], got ", w.sym_sizes());
+  TORCH_CHECK(x.dim() >= 1, "hgemm.linear: x must have at least one dimension");
+  TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(w.sym_size(1)), "hgemm.linear: x's last dimension (", x.sym_size(-1),
+                  ") must equal weight's in_features (", w.sym_size(1), ")");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kHalf,
+                "hgemm.linear: bias must be [out_features] float16");
+    TORCH_SYM_CHECK(bias->sym_size(0).sym_eq(w.sym_size(0)), "hgemm.linear: bias must be [out_features]");
+  }
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = w.sym_size(0);
+  return at::empty_symint(shape, x.options());
 }
 
 }  // namespace

@@ -571,3 +571,11 @@ def test_bench_and_confirm_time_every_contender_in_full(monkeypatch):
     rep = reply.regime_in(SUSTAINED)
     assert (rep.screened, rep.kept, rep.screen_us) == (0, 0, {}) and rep.rounds == B.min_rounds
     _exactly_plus_one(_count(log), [*cands, "cublas"], B.warmup_rounds + rep.rounds)
+
+
+def test_the_screen_can_be_switched_off_for_an_a_b_run(monkeypatch):
+    from tuner.measure.regimes import SCREEN_ENV
+
+    monkeypatch.setenv(SCREEN_ENV, "0")
+    reply = _evaluate(_fake_worker(monkeypatch, LazyGpu({}), [0.08] + [0.10 + 0.01 * i for i in range(15)]), 16)
+    assert len(reply.times) == 16 and RegimeReport.from_dict(reply.regime).screened == 0

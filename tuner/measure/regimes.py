@@ -122,6 +122,13 @@ class Screen:
 
 # Every search trial (evaluate) screens with this; bench, confirm and baseline never do.
 TRIAL_SCREEN = Screen()
+# "0" in the worker's environment: no screen (to A/B the screen against timing every variant).
+SCREEN_ENV = "HGEMM_TUNE_SCREEN"
+NO_SCREEN = Screen(keep=1 << 30)
+
+
+def trial_screen(env: dict[str, str]) -> Screen:
+    return NO_SCREEN if env.get(SCREEN_ENV, "").strip() == "0" else TRIAL_SCREEN
 
 
 def spread(values: list[float]) -> float:

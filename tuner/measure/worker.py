@@ -45,10 +45,10 @@ from tuner.measure.regimes import (
     SUSTAINED,
     SUSTAINED_BENCH,
     SUSTAINED_TRIAL,
-    TRIAL_SCREEN,
     Plan,
     Screen,
     canonical,
+    trial_screen,
 )
 from tuner.measure.timing import SERVER_GAP_US, L2Flush, time_isolated, time_sustained, time_trial
 from tuner.measure.vendors import BASELINES, Cublas, CublasLt, torch_contender
@@ -112,10 +112,11 @@ class Worker:
         return times, sampler.result, report.to_dict()
 
     def timed_trial(self, mode: str, variants: dict, others: dict, buf: Buffers,
-                    screen: Screen = TRIAL_SCREEN) -> tuple[dict[str, float], dict, dict]:
+                    screen: Screen | None = None) -> tuple[dict[str, float], dict, dict]:
         """Time a search trial's `variants` against `others` (cuBLAS): screened first where there
         are more than `screen.keep` of them (timing.time_trial); (times, clock record, report)."""
         sampler = ClockSampler(mode)
+        screen = screen or trial_screen(dict(os.environ))
         times, report = time_trial(variants, others, buf, self.stream, self.rng, screen, mode=mode,
                                    plan=SUSTAINED_TRIAL, sampler=sampler,
                                    flush=self.l2_flush() if mode == ISOLATED else None)

@@ -34,6 +34,7 @@ from tuner.measure.regimes import (
     combine_reports,
     slice_energy,
     steady_after,
+    steady_text,
 )
 from tuner.measure.replay import record_baseline, record_measurement
 from tuner.space import parse_shape
@@ -368,3 +369,213 @@ def test_report_reads_an_older_bench_json_by_regime(tmp_path):
     assert "| 1024x1024x1024 | sustained | wmma | 10.00 |" in md and "| 1024x1024x1024 | isolated | wmma |" in md
     assert "| 1024x1024x1024 | isolated | cuBLAS | 30.00 | 71.6 | 1.000 | unknown | unknown | unknown | - | - " \
            "| unknown |" in md
+
+
+# ---- a search trial's screen (Screen): variants ranked briefly, only the best timed in full ---------
+
+def test_screen_keeps_the_best_the_near_ties_and_no_more_than_the_cap():
+    from tuner.measure.regimes import TRIAL_SCREEN as S
+
+    assert (S.keep, S.margin, S.cap) == (3, 0.03, 6)
+    clear = {f"v{i}": 10.0 + i for i in range(16)}  # 1 us apart: far outside 3% of the 3rd best
+    assert S.survivors(clear) == ["v0", "v1", "v2"]
+    ties = {"a": 10.0, "b": 10.1, "c": 10.2, "d": 10.5, "e": 10.6, "f": 12.0}  # bar: 10.2 x 1.03 = 10.506
+    assert S.survivors(ties) == ["a", "b", "c", "d"]
+    many = {f"t{i}": 10.0 + 0.01 * i for i in range(10)} | {"slow": 20.0}  # 10 within the margin
+    assert S.survivors(many) == [f"t{i}" for i in range(6)]
+    assert S.survivors({"x": 2.0, "y": 1.0}) == ["y", "x"] and not S.applies(3) and S.applies(4)
+
+
+class FakeSampler:
+    def __init__(self, mode=""):
+        self.result = {"available": False, "reason": "fake"}
+
+    def start(self):
+        return self
+
+    def stop(self, gemms=None):
+        return self.result
+
+    def energy_mj(self):
+        return None
+
+    def quiet(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def _variant(i: int) -> dict:
+    return {"RASTER": i % 4, "SWIZZLE": i // 4}
+
+
+def _fake_worker(monkeypatch, gpu: LazyGpu, variant_ms: list[float], cublas_ms: float = 0.2):
+    """A Worker whose GPU is `gpu`, whose binary's variant i launches in `variant_ms[i]`, with
+    verification passing and no NVML; its timing code is the real one."""
+    from tuner.measure import worker as wk
+
+    monkeypatch.setattr(timing, "_cp", _lazy_cp)
+    monkeypatch.setattr(timing, "_idle", lambda s: None)
+    monkeypatch.setattr(wk, "ClockSampler", FakeSampler)
+    for check in ("full_check", "random_check"):
+        monkeypatch.setattr(wk.verify, check, lambda *a, **k: {"ok": True})
+    monkeypatch.setattr(wk.verify, "fill_normal", lambda buf: None)
+    by_key = {json.dumps(_variant(i), sort_keys=True): ms for i, ms in enumerate(variant_ms)}
+
+    class Binary:
+        def __init__(self, ms: float | None = None):
+            self.ms = ms
+
+        def launcher(self, variant):
+            key = json.dumps(variant, sort_keys=True)
+            return _contender(key, self.ms if self.ms is not None else by_key[key])
+
+    def load(binary, launch, digest):  # compare: "/k<ms>.so" names its kernel's time
+        return Binary(float(binary[2:-3]) if binary.startswith("/k") and binary != "/k.so" else None)
+
+    monkeypatch.setattr(wk, "load_candidate", load)
+
+    def no_lt(*a):
+        raise OSError("no cuBLASLt in the fake")
+
+    monkeypatch.setattr(wk, "CublasLt", no_lt)
+    w = object.__new__(wk.Worker)
+    w.stream, w.rng, w._l2_flush, w._cublas16 = gpu, random.Random(11), lambda s: None, None
+    w.cublas = _contender("cublas", cublas_ms)
+    w.buffers_for = lambda shape: None
+    return w
+
+
+def _slices(monkeypatch) -> list[tuple[int, str]]:
+    """Every slice the sustained rounds queue, as (round, contender), in order."""
+    log: list[tuple[int, str]] = []
+    real = timing._Slice
+
+    def logged(r, name, *rest):
+        log.append((r, name))
+        return real(r, name, *rest)
+
+    monkeypatch.setattr(timing, "_Slice", logged)
+    return log
+
+
+def _count(log) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for _, name in log:
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _exactly_plus_one(counts: dict[str, int], names, each: int) -> None:
+    """Every one of `names` got `each` slices, one of them one more (the slice already queued when
+    the rounds stopped runs out, untimed), and nothing else got any."""
+    assert set(counts) == set(names), counts
+    assert sorted(counts.values()) == [each] * (len(names) - 1) + [each + 1], counts
+
+
+def _evaluate(w, n: int, mode: str = SUSTAINED):
+    from tuner.measure.protocol import LaunchSpec as Spec
+
+    return w.evaluate(EvaluateRequest("/k.so", (64, 64, 64), Spec(), [_variant(i) for i in range(n)], mode=mode))
+
+
+def test_a_trial_screens_16_variants_and_times_only_the_kept_ones_with_cublas(monkeypatch):
+    from tuner.measure.regimes import SUSTAINED_TRIAL as P
+    from tuner.measure.regimes import TRIAL_SCREEN as S
+
+    # variant 0 clearly fastest; the others 10% apart and more: exactly keep = 3 survive
+    ms = [0.08] + [0.10 + 0.01 * i for i in range(15)]
+    log = _slices(monkeypatch)
+    reply = _evaluate(_fake_worker(monkeypatch, LazyGpu({}), ms), 16)
+    keys = [json.dumps(_variant(i), sort_keys=True) for i in range(16)]
+    assert reply.ok and set(reply.times) == set(keys[:3]) and reply.baselines == {"cublas": pytest.approx(200.0)}
+    assert min(reply.times, key=reply.times.get) == keys[0] and reply.times[keys[0]] == pytest.approx(80.0)
+    rep = RegimeReport.from_dict(reply.regime)
+    assert (rep.screened, rep.kept) == (16, 3) and set(rep.screen_us) == set(keys)
+    assert rep.screen_us[keys[15]] == pytest.approx(1000 * ms[15])  # the dropped ones' times: screen only
+    assert set(rep.launches) == set(keys[:3]) | {"cublas"} and rep.steady and rep.rounds == P.min_rounds
+    # the screen: the 16 variants alone, 1 warm-up + 2 timed rounds each; then the steady stage
+    # on the 3 kept and cuBLAS only, 2 warm-up + its timed rounds each
+    n_screen = 16 * (S.warmup_rounds + S.rounds) + 1
+    _exactly_plus_one(_count(log[:n_screen]), keys, S.warmup_rounds + S.rounds)
+    _exactly_plus_one(_count(log[n_screen:]), keys[:3] + ["cublas"], P.warmup_rounds + rep.rounds)
+    assert steady_text(reply.regime) == "yes (5 rounds; 3 of 16 variants after a screen)"
+
+
+def test_near_ties_within_the_margin_all_go_on_up_to_the_cap(monkeypatch):
+    log = _slices(monkeypatch)
+    keys = [json.dumps(_variant(i), sort_keys=True) for i in range(16)]
+    # 5 variants within 3% of the 3rd best (0.1000 .. 0.1030 ms), the rest 20% slower
+    ms = [0.1000, 0.1005, 0.1010, 0.1020, 0.1030] + [0.125] * 11
+    reply = _evaluate(_fake_worker(monkeypatch, LazyGpu({}), ms), 16)
+    rep = RegimeReport.from_dict(reply.regime)
+    assert (rep.screened, rep.kept) == (16, 5) and set(reply.times) == set(keys[:5])
+    assert set(_count(log[16 * 3 + 1:])) == set(keys[:5]) | {"cublas"}
+    # 10 within the margin: the 6 fastest of them (the cap)
+    log.clear()
+    ms = [0.1000 + 0.0002 * i for i in range(10)] + [0.125] * 6
+    reply = _evaluate(_fake_worker(monkeypatch, LazyGpu({}), ms), 16)
+    rep = RegimeReport.from_dict(reply.regime)
+    assert (rep.screened, rep.kept) == (16, 6) and set(reply.times) == set(keys[:6])
+    assert set(_count(log[16 * 3 + 1:])) == set(keys[:6]) | {"cublas"}
+
+
+def test_keep_or_fewer_variants_are_not_screened(monkeypatch):
+    from tuner.measure.regimes import SUSTAINED_TRIAL as P
+
+    log = _slices(monkeypatch)
+    reply = _evaluate(_fake_worker(monkeypatch, LazyGpu({}), [0.1, 0.2, 0.3]), 3)
+    rep = RegimeReport.from_dict(reply.regime)
+    keys = [json.dumps(_variant(i), sort_keys=True) for i in range(3)]
+    assert set(reply.times) == set(keys) and (rep.screened, rep.kept, rep.screen_us) == (0, 0, {})
+    _exactly_plus_one(_count(log), keys + ["cublas"], P.warmup_rounds + rep.rounds)  # one stage only
+    assert steady_text(reply.regime) == f"yes ({rep.rounds} rounds)"
+
+
+def test_an_isolated_trial_screens_with_a_short_isolated_pass(monkeypatch):
+    from tuner.measure.regimes import TRIAL_SCREEN as S
+
+    gpu = LazyGpu({})
+    launches: dict[str, int] = {}
+    real_run = gpu.run
+
+    def counted(name, ms):
+        launches[name] = launches.get(name, 0) + 1
+        real_run(name, ms)
+
+    gpu.run = counted
+    ms = [0.08] + [0.10 + 0.01 * i for i in range(15)]
+    reply = _evaluate(_fake_worker(monkeypatch, gpu, ms), 16, mode=ISOLATED)
+    keys = [json.dumps(_variant(i), sort_keys=True) for i in range(16)]
+    rep = RegimeReport.from_dict(reply.regime)
+    assert reply.mode == ISOLATED and set(reply.times) == set(keys[:3]) and (rep.screened, rep.kept) == (16, 3)
+    assert set(rep.launches) == set(keys[:3]) | {"cublas"} and rep.launches["cublas"] == rep.rounds
+    # set-up (an eager launch, the graph's upload, an estimate) + warm-up + the timed launches
+    screen = 3 + S.warmup_rounds + S.isolated_rounds
+    full = 3 + timing.ISOLATED_PLAN.warmup_rounds + rep.rounds
+    assert all(launches[k] == screen for k in keys[3:]) and all(launches[k] == screen + full for k in keys[:3])
+    assert launches["cublas"] == full
+
+
+def test_bench_and_confirm_time_every_contender_in_full(monkeypatch):
+    """compare (bench, confirm) never screens: 16 candidates and cuBLAS, each in every round."""
+    from tuner.measure.protocol import CandidateSpec as Cand
+    from tuner.measure.protocol import CompareRequest
+    from tuner.measure.protocol import LaunchSpec as Spec
+    from tuner.measure.regimes import SUSTAINED_BENCH as B
+
+    log = _slices(monkeypatch)
+    w = _fake_worker(monkeypatch, LazyGpu({}), [])
+    cands = {f"ours{i}": Cand(f"/k{0.5 + 0.05 * i:.2f}.so", Spec()) for i in range(16)}
+    reply = w.compare(CompareRequest((64, 64, 64), cands, torch=False))
+    assert reply.ok and set(reply.times) == set(cands) | {"cublas"}
+    rep = reply.regime_in(SUSTAINED)
+    assert (rep.screened, rep.kept, rep.screen_us) == (0, 0, {}) and rep.rounds == B.min_rounds
+    _exactly_plus_one(_count(log), [*cands, "cublas"], B.warmup_rounds + rep.rounds)
+
+
+def test_the_screen_can_be_switched_off_for_an_a_b_run(monkeypatch):
+    from tuner.measure.regimes import SCREEN_ENV
+
+    monkeypatch.setenv(SCREEN_ENV, "0")
+    reply = _evaluate(_fake_worker(monkeypatch, LazyGpu({}), [0.08] + [0.10 + 0.01 * i for i in range(15)]), 16)
+    assert len(reply.times) == 16 and RegimeReport.from_dict(reply.regime).screened == 0

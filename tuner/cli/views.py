@@ -155,5 +155,6 @@ def summary_table(study: optuna.Study) -> Table:
                      + (f"; {stats['other_gpu']} verified trials measured on another GPU model are not ranked"
                         if stats["other_gpu"] else "")
                      + "; clock regime: the SM clock's regime while the trial was timed (unknown: not recorded); "
-                     "steady: whether its timing settled, after how many rounds (tuner.measure.regimes)")
+                     "steady: whether its timing settled, after how many rounds, and how many of its variants a "
+                     "screen kept for those rounds (tuner.measure.regimes)")
     return table

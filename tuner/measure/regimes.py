@@ -78,6 +78,59 @@ SUSTAINED_TRIAL = Plan(slice_ms=6.0, warmup_rounds=2, min_rounds=5, max_rounds=2
 ISOLATED_PLAN = Plan(slice_ms=0.0, warmup_rounds=3, min_rounds=0, max_rounds=0, window=4, tol=0.05, block=5)
 
 
+@dataclass(frozen=True)
+class Screen:
+    """A search trial's first stage, when its binary has more than `keep` run-time variants: a
+    short interleaved pass over the variants alone (`warmup_rounds` untimed rounds, then
+    `rounds` timed ones; in the isolated regime `isolated_rounds` single launches each), ranked
+    by median; only the survivors (`survivors`) and cuBLAS then run the full protocol. bench
+    and confirm never screen: they time their few contenders in full.
+
+    Why these numbers: the screen runs while the power-capped clock may still be falling (tens
+    of ms, against a cap controller that settles over a few hundred ms), so a variant's screen
+    time is off by a few percent depending on where in the rounds it ran. `margin` (3%) keeps
+    every variant the screen cannot tell from the `keep`-th best, so the true best is dropped
+    only if the screen put it more than 3% behind `keep` slower variants; `cap` (6) bounds the
+    steady stage at 7 contenders with cuBLAS (against 17 for 16 variants) when many tie."""
+
+    keep: int = 3
+    margin: float = 0.03
+    cap: int = 6
+    slice_ms: float = 1.5      # sustained: one slice per variant per round (and a trial's graph size)
+    warmup_rounds: int = 1
+    rounds: int = 2            # sustained: timed rounds (the median of 2 is their mean)
+    isolated_rounds: int = 10  # isolated: timed single launches per variant (single launches are noisier)
+    max_s: float = 1.0
+
+    def applies(self, variants: int) -> bool:
+        return variants > self.keep
+
+    def plan(self) -> Plan:
+        """The screen's sustained plan: exactly `rounds` timed rounds (no steady check: tol inf)."""
+        return Plan(slice_ms=self.slice_ms, warmup_rounds=self.warmup_rounds, min_rounds=self.rounds,
+                    max_rounds=self.rounds, window=self.rounds, tol=float("inf"), max_s=self.max_s)
+
+    def survivors(self, times: dict[str, float]) -> list[str]:
+        """The variants the steady stage times, fastest first: the best `keep`, and any other
+        within `margin` of the `keep`-th best, `cap` at most."""
+        ranked = sorted(times, key=times.__getitem__)
+        if len(ranked) <= self.keep:
+            return ranked
+        bar = times[ranked[self.keep - 1]] * (1.0 + self.margin)
+        return [n for i, n in enumerate(ranked) if i < self.keep or times[n] <= bar][:max(self.cap, self.keep)]
+
+
+# Every search trial (evaluate) screens with this; bench, confirm and baseline never do.
+TRIAL_SCREEN = Screen()
+# "0" in the worker's environment: no screen (to A/B the screen against timing every variant).
+SCREEN_ENV = "HGEMM_TUNE_SCREEN"
+NO_SCREEN = Screen(keep=1 << 30)
+
+
+def trial_screen(env: dict[str, str]) -> Screen:
+    return NO_SCREEN if env.get(SCREEN_ENV, "").strip() == "0" else TRIAL_SCREEN
+
+
 def spread(values: list[float]) -> float:
     """(max - min) / median: how far apart a window's per-round times are."""
     med = statistics.median(values)
@@ -136,6 +189,13 @@ class RegimeReport:
     # contender -> its own energy per GEMM (mJ) from its slices; None where unresolved (energy_note)
     energy_mj: dict[str, float | None] = field(default_factory=dict)
     energy_note: str | None = None
+    # A search trial's screen (Screen): how many variants it ranked (0: no screen ran), how many
+    # went on to the rounds above, and every screened variant's screen time (us). Those times
+    # are the screen's, never the steady protocol's: a variant missing from the trial's times
+    # was dropped by the screen.
+    screened: int = 0
+    kept: int = 0
+    screen_us: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,9 +218,10 @@ def steady_text(report: dict[str, Any] | RegimeReport | None) -> str:
     rep = report if isinstance(report, RegimeReport) else RegimeReport.from_dict(report)
     if rep.steady is None:
         return "unknown"
+    screen = f"; {rep.kept} of {rep.screened} variants after a screen" if rep.screened else ""
     if rep.steady:
-        return f"yes ({rep.steady_after} rounds)"
-    return f"NO ({rep.rounds} rounds)"
+        return f"yes ({rep.steady_after} rounds{screen})"
+    return f"NO ({rep.rounds} rounds{screen})"
 
 
 def combine_reports(reports: list[dict[str, Any] | None], regime: str = SUSTAINED) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from tuner.measure.regimes import (
     SUSTAINED_BENCH,
     Plan,
     RegimeReport,
+    Screen,
     block_medians,
     slice_energy,
     spread,
@@ -74,8 +75,8 @@ class _Slice:
     gemms: int
 
 
-def _graph_for(launch, buf: Buffers, stream) -> tuple[Any, int, float]:
-    """One contender's graph of back-to-back launches sized to about GRAPH_TARGET_MS: (graph,
+def _graph_for(launch, buf: Buffers, stream, target_ms: float = GRAPH_TARGET_MS) -> tuple[Any, int, float]:
+    """One contender's graph of back-to-back launches sized to about `target_ms`: (graph,
     launches in it, estimated ms of one replay). Estimating runs the kernel 4 times and
     replaying once uploads the graph: the same for every contender, before any warm-up."""
     cp = _cp()
@@ -87,7 +88,7 @@ def _graph_for(launch, buf: Buffers, stream) -> tuple[Any, int, float]:
     end.record(stream)
     sync_or_fault(end)
     est_ms = max(cp.cuda.get_elapsed_time(start, end) / 3, 1e-3)
-    n = int(min(max(GRAPH_TARGET_MS / est_ms, 2), 2000))
+    n = int(min(max(target_ms / est_ms, 2), 2000))
     graph = capture_launches(launch, buf, stream, n)
     graph.launch(stream)  # the first replay uploads the graph
     return graph, n, est_ms * n
@@ -111,16 +112,33 @@ def time_sustained(contenders: dict[str, Any], buf: Buffers, stream, rng: random
     window's slices' energy over their GEMMs, where the counter resolves the slices
     (`regimes.slice_energy`). With `notes`, a contender that cannot be set up is left out and
     `notes[name]` says why. With `sampler`, the timed rounds are its section."""
-    cp = _cp()
-    graphs: dict[str, tuple[Any, int, int]] = {}  # name -> (graph, launches per replay, replays per slice)
+    return _rounds(_graphs(contenders, buf, stream, notes), stream, rng, sampler, plan, clock)
+
+
+_Graphs = dict[str, tuple[Any, int, float]]  # name -> (graph, launches per replay, ms of one replay)
+
+
+def _graphs(contenders: dict[str, Any], buf: Buffers, stream, notes: dict[str, str] | None,
+            target_ms: float = GRAPH_TARGET_MS) -> _Graphs:
+    """Every contender's graph (`_graph_for`), built once before any timed round; a contender
+    that cannot be set up is left out (with `notes`) or raises."""
+    graphs: _Graphs = {}
     for name, launch in contenders.items():
         try:
-            graph, n, graph_ms = _graph_for(launch, buf, stream)
+            graphs[name] = _graph_for(launch, buf, stream, target_ms)
         except Exception as exc:  # noqa: BLE001 - see _dropped: noted or re-raised
             _dropped(name, SUSTAINED, exc, stream, notes)
-            continue
-        graphs[name] = (graph, n, max(1, round(plan.slice_ms / graph_ms)))
     sync_or_fault(stream)
+    return graphs
+
+
+def _rounds(built: _Graphs, stream, rng: random.Random, sampler: ClockSampler | None, plan: Plan,
+            clock=time.perf_counter) -> tuple[dict[str, float], RegimeReport]:
+    """time_sustained's rounds over graphs already built: slices of whole replays, round-robin
+    in a new random order every round, until steady (see time_sustained)."""
+    cp = _cp()
+    # name -> (graph, launches per replay, replays per slice)
+    graphs = {name: (g, n, max(1, round(plan.slice_ms / ms))) for name, (g, n, ms) in built.items()}
     report = RegimeReport(SUSTAINED, warmup_rounds=plan.warmup_rounds, window=plan.window, tol=plan.tol)
     if not graphs:
         return {}, report
@@ -210,6 +228,44 @@ def time_sustained(contenders: dict[str, Any], buf: Buffers, stream, rng: random
         if why:
             notes_e.add(why)
     report.energy_note = "; ".join(sorted(notes_e)) or None
+    return times, report
+
+
+def time_trial(variants: dict[str, Any], others: dict[str, Any], buf: Buffers, stream, rng: random.Random,
+               screen: Screen, mode: str = SUSTAINED, plan: Plan = SUSTAINED_BENCH,
+               sampler: ClockSampler | None = None, flush=None,
+               clock=time.perf_counter) -> tuple[dict[str, float], RegimeReport]:
+    """A search trial: one binary's run-time `variants` against `others` (cuBLAS) in `mode`.
+
+    With more variants than `screen.keep`, a screen first ranks the variants alone in a short
+    pass of the same regime (sustained: `screen.plan()`, slices of `screen.slice_ms`; isolated:
+    `screen.isolated_rounds` single launches), and only `screen.survivors` go on, with
+    `others`, to the full protocol (`plan`; the isolated regime's own). Times come from that
+    full protocol only; the report says how many variants were screened and kept and gives
+    every screened variant's screen time (`screen_us`). `sampler`'s section is the full
+    protocol's timed rounds. Every variant's sustained graph is built once, sized to the
+    screen's slice whether or not a screen runs (every trial of a study the same graphs)."""
+    screening = screen.applies(len(variants))
+    screen_us: dict[str, float] = {}
+    kept: list[str] = list(variants)
+    if mode == ISOLATED:
+        # Single launches need no graph to reuse: the screen is a short isolated run of its own.
+        if screening:
+            screen_us, _ = time_isolated(variants, buf, stream, rng, launches=screen.isolated_rounds, flush=flush,
+                                         plan=Plan(warmup_rounds=screen.warmup_rounds, window=1, tol=float("inf")))
+            kept = screen.survivors(screen_us)
+        times, report = time_isolated({n: variants[n] for n in kept} | others, buf, stream, rng, flush=flush,
+                                      sampler=sampler)
+    else:
+        built = _graphs(variants | others, buf, stream, None, target_ms=screen.slice_ms)
+        if screening:
+            screen_us, _ = _rounds({n: built[n] for n in variants}, stream, rng, None, screen.plan(), clock)
+            kept = screen.survivors(screen_us)
+            built = {n: g for n, g in built.items() if n in others or n in kept}
+        times, report = _rounds(built, stream, rng, sampler, plan, clock)
+    if screening:
+        report.screened, report.kept = len(screen_us), len(kept)
+        report.screen_us = {n: round(t, 6) for n, t in screen_us.items()}
     return times, report
 
 

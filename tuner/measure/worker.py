@@ -40,8 +40,17 @@ from tuner.measure.protocol import (
     decode_request,
     encode_reply,
 )
-from tuner.measure.regimes import ISOLATED, SUSTAINED, SUSTAINED_BENCH, SUSTAINED_TRIAL, Plan, canonical
-from tuner.measure.timing import SERVER_GAP_US, L2Flush, time_isolated, time_sustained
+from tuner.measure.regimes import (
+    ISOLATED,
+    SUSTAINED,
+    SUSTAINED_BENCH,
+    SUSTAINED_TRIAL,
+    Plan,
+    Screen,
+    canonical,
+    trial_screen,
+)
+from tuner.measure.timing import SERVER_GAP_US, L2Flush, time_isolated, time_sustained, time_trial
 from tuner.measure.vendors import BASELINES, Cublas, CublasLt, torch_contender
 
 
@@ -102,6 +111,17 @@ class Worker:
                                           notes=notes, sampler=sampler)
         return times, sampler.result, report.to_dict()
 
+    def timed_trial(self, mode: str, variants: dict, others: dict, buf: Buffers,
+                    screen: Screen | None = None) -> tuple[dict[str, float], dict, dict]:
+        """Time a search trial's `variants` against `others` (cuBLAS): screened first where there
+        are more than `screen.keep` of them (timing.time_trial); (times, clock record, report)."""
+        sampler = ClockSampler(mode)
+        screen = screen or trial_screen(dict(os.environ))
+        times, report = time_trial(variants, others, buf, self.stream, self.rng, screen, mode=mode,
+                                   plan=SUSTAINED_TRIAL, sampler=sampler,
+                                   flush=self.l2_flush() if mode == ISOLATED else None)
+        return times, sampler.result, report.to_dict()
+
     def baseline(self, req: BaselineRequest) -> BaselineReply:
         try:
             mode = canonical(req.mode)
@@ -148,9 +168,9 @@ class Worker:
             if not req.time:
                 return EvaluateReply(verify=report)
             verify.fill_normal(buf)
-            contenders = dict(launchers)
-            contenders["cublas"] = cublas
-            times, clocks, timing_report = self.timed(mode, contenders, buf, plan=SUSTAINED_TRIAL)
+            # Only the variants the screen keeps are timed in full: `times` holds those, the
+            # report every screened variant's screen time (regime report's screen_us).
+            times, clocks, timing_report = self.timed_trial(mode, launchers, {"cublas": cublas}, buf)
         except KernelFault as exc:
             return EvaluateReply(status="fault", kind="fault", reason=f"CUDA error: {exc}", fatal=True)
         except LaunchRefused as exc:

@@ -64,6 +64,10 @@ class TrialRecord:
     time_us: float | None = None
     tflops: float | None = None
     variant: dict[str, Any] = field(default_factory=dict)  # the run-time knobs of the best time
+    # The full (steady) protocol's time of every variant it timed. A search trial with more
+    # variants than its screen keeps (regimes.Screen) times only the survivors in full: the
+    # others' screen times, and how many were screened and kept, are in regime_report
+    # (screen_us, screened, kept), never here.
     variant_times_us: dict[str, float] = field(default_factory=dict)
     cublas_us: float | None = None
     speedup_cublas: float | None = None
@@ -79,7 +83,8 @@ class TrialRecord:
     # The timing regime its time was taken in: the study's objective (tuner.measure.regimes);
     # older studies were timed back-to-back (offline), the sustained regime's predecessor.
     objective: str = SUSTAINED
-    # How that timing went (RegimeReport.to_dict(): rounds, steady state, energy); {} when unknown.
+    # How that timing went (RegimeReport.to_dict(): rounds, steady state, energy, the screen);
+    # {} when unknown.
     regime_report: dict[str, Any] = field(default_factory=dict)
     # The digest of the kernel catalogue that holds this trial's kernel ("" when none does): with
     # `cached`, its binary came from the catalogue and cost no nvcc time.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 import sys
 import time
@@ -134,6 +135,7 @@ def test_sampler_aggregates_decodes_and_labels_a_power_capped_section(nvml):
     assert rec["reasons"] == {"sw_power_cap": 0.75, "sync_boost": 0.25}
     assert rec["busy_samples"] == 4 and rec["regime"] == "power-capped"
     assert rec["energy_j"] == pytest.approx(12.5) and rec["gemms"] == 250
+    assert rec["energy_basis"] == "ends"  # the counter stepped once in the section: no slope to take
     assert rec["energy_per_gemm_mj"] == pytest.approx(50.0)
     assert "not split between contenders" in rec["energy_note"]
     assert rec["mean_power_w"] == pytest.approx(12.5 / rec["seconds"], rel=1e-3)
@@ -562,3 +564,22 @@ def test_the_pci_bus_id_comes_from_cupy(monkeypatch):
     assert clocks._cuda_pci_bus_id() == "0000:1C:00.0"  # the current device's, not device 0's by NVML's count
     runtime.deviceGetPCIBusId = no_bus_id
     assert clocks._cuda_pci_bus_id() == "0000:1b:00.0"
+
+
+def test_section_energy_takes_the_counter_steps_slope_not_the_ends_phase():
+    """NVML's energy counter moves in steps (here 70 J every 100 ms: 700 W). Over a 0.95 s section the
+    two ends' difference is off by up to one step (700 J / 0.95 s = 737 W, over the card's cap); the
+    slope between the first and last step seen, sampled every 15 ms, gives the true 700 W."""
+    def counter_mj(t):
+        return 70_000.0 * math.floor((t + 0.099) / 0.1)
+    seconds = 0.95
+    times = [i * 0.015 for i in range(int(seconds / 0.015) + 1)] + [seconds]
+    trace = [(t, counter_mj(t)) for t in times]
+    ends = (trace[-1][1] - trace[0][1]) / 1000.0
+    assert ends / seconds > 730  # what the ends alone say
+    energy, basis = clocks.section_energy(trace, seconds)
+    assert basis == "counter steps" and energy / seconds == pytest.approx(700.0, rel=0.03)
+    # a counter that stepped once (or never) in the section: the ends, said so
+    short = [(0.0, 0.0), (0.015, 0.0), (0.03, 70_000.0), (0.045, 70_000.0)]
+    assert clocks.section_energy(short, 0.045) == (pytest.approx(70.0), "ends")
+    assert clocks.section_energy([(0.0, 5.0)], 0.1) == (None, None)

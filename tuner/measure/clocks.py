@@ -17,8 +17,15 @@ breaks. `reasons` maps each throttle (clock event) reason seen to the share of s
 active in; `regime` is "thermal", "hw-slowdown", "power-capped" (the software power cap active
 in at least REGIME_SHARE of the busy samples, i.e. those without gpu_idle) or "full clocks".
 
-Energy (nvmlDeviceGetTotalEnergyConsumption, Volta and newer) is the counter's difference over
-the section. It is NOT split between the contenders of a section. A split by each contender's
+Energy (nvmlDeviceGetTotalEnergyConsumption, Volta and newer) is read with every sample. The
+counter moves in steps tens of ms apart, so its difference between the section's two ends carries
+up to one step of phase error (sustained bench sections of about a second on an H100 read 722-805 W
+against its 700 W cap, 2026-12-07; such an error is the likely cause). Where the counter stepped
+at least twice, over at least half the section, the section's mean power is the slope between
+its first and last step (each seen within one sample interval of when it happened) and its
+energy that power times the section's length (`energy_basis`: "counter steps"); otherwise the
+two ends' difference ("ends").
+It is NOT split between the contenders of a section. A split by each contender's
 share of the section's GPU time is energy x share = (mean power of the section) x (contender's
 time): it ranks the contenders exactly as their times do and cannot show a kernel that draws
 less power than another, while looking like a measurement of it; NVML's counter and power
@@ -225,6 +232,7 @@ class ClockSampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._e0: float | None = None
+        self._energy: list[tuple[float, float]] = []  # (perf_counter s, counter mJ) at every sample
         self.result: dict[str, Any] = unavailable(self._why or "not started")
 
     @property
@@ -238,6 +246,9 @@ class ClockSampler:
                 self._samples.append(self._device.sample())
             except Exception as exc:  # noqa: BLE001 - one failed read costs a sample, not the section
                 self._errors.append(f"{type(exc).__name__}: {exc}")
+            energy = self._device.energy_mj()
+            if energy is not None:
+                self._energy.append((time.perf_counter(), energy))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -246,10 +257,12 @@ class ClockSampler:
     def start(self) -> ClockSampler:
         if self._device is None:
             return self
-        self._samples, self._errors = [], []
+        self._samples, self._errors, self._energy = [], [], []
         self._stop.clear()
         self._e0 = self._device.energy_mj()
         self._t0 = time.perf_counter()
+        if self._e0 is not None:
+            self._energy.append((self._t0, self._e0))
         self._sample()
         self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
         self._thread.start()
@@ -281,10 +294,12 @@ class ClockSampler:
         self._sample()
         seconds = time.perf_counter() - self._t0
         e1 = self._device.energy_mj()
-        energy_j = (e1 - self._e0) / 1000.0 if e1 is not None and self._e0 is not None else None
+        if e1 is not None:
+            self._energy.append((self._t0 + seconds, e1))
+        energy_j, basis = section_energy(self._energy, seconds) if self._e0 is not None else (None, None)
         self.result = summarize(self._samples, seconds=seconds, energy_j=energy_j, gemms=gemms, mode=self.mode,
                                 interval_s=self.interval_s, power_limit_w=self._device.power_limit_w,
-                                errors=self._errors)
+                                errors=self._errors, energy_basis=basis)
         return self.result
 
     def __enter__(self) -> ClockSampler:
@@ -294,9 +309,24 @@ class ClockSampler:
         self.stop()
 
 
+def section_energy(trace: list[tuple[float, float]], seconds: float) -> tuple[float | None, str | None]:
+    """A section's energy (J) from its (time s, counter mJ) readings, and how it was found: the slope
+    between the counter's first and last step seen, times the section's length, where it stepped at
+    least twice over at least half the section ("counter steps"); else the difference between the
+    section's two ends ("ends"), which may be off by one step of the counter."""
+    if len(trace) < 2:
+        return None, None
+    steps = [trace[i] for i in range(1, len(trace)) if trace[i][1] != trace[i - 1][1]]
+    if len(steps) >= 2 and steps[-1][0] - steps[0][0] >= 0.5 * seconds > 0:
+        watts = (steps[-1][1] - steps[0][1]) / 1000.0 / (steps[-1][0] - steps[0][0])
+        return watts * seconds, "counter steps"
+    return (trace[-1][1] - trace[0][1]) / 1000.0, "ends"
+
+
 def summarize(samples: list[tuple[float, float, float, float, int]], *, seconds: float, energy_j: float | None,
               gemms: int | None, mode: str = "", interval_s: float = INTERVAL_S,
-              power_limit_w: float | None = None, errors: list[str] | None = None) -> dict[str, Any]:
+              power_limit_w: float | None = None, errors: list[str] | None = None,
+              energy_basis: str | None = None) -> dict[str, Any]:
     """Samples (SM MHz, memory MHz, power W, temperature C, reasons bitmask) of one section ->
     its clock record (see the module docstring)."""
     if not samples:
@@ -321,6 +351,7 @@ def summarize(samples: list[tuple[float, float, float, float, int]], *, seconds:
         "busy_samples": len(busy),
         "energy_j": round(energy_j, 6) if energy_j is not None else None,
         "mean_power_w": round(energy_j / seconds, 3) if energy_j is not None and seconds > 0 else None,
+        "energy_basis": energy_basis if energy_j is not None else None,
         "gemms": gemms, "energy_per_gemm_mj": None, "energy_note": None,
         "regime": regime(busy or masks),
     }

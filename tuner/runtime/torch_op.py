@@ -57,23 +57,28 @@ const char* status_text(int s) {
   }
 }
 
+// Sizes in SymInts throughout (concrete ones on real tensors): the Meta kernel runs this too, and a
+// concrete size() there would specialize torch.compile's graph to one M, which then recompiled for
+// every token count (seen on an H100: the recompile limit hit at the ninth M).
 void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kHalf && w.scalar_type() == at::kHalf,
               "hgemm.linear: x and weight must be float16, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(w.dim() == 2, "hgemm.linear: weight must be 2-D [out_features, in_features], got ", w.sizes());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), "hgemm.linear: x's last dimension (", x.size(-1),
-              ") must equal weight's in_features (", w.size(1), ")");
+  TORCH_CHECK(w.dim() == 2, "hgemm.linear: weight must be 2-D [out_features, in_features], got ", w.sym_sizes());
+  TORCH_CHECK(x.dim() >= 1, "hgemm.linear: x must have at least one dimension");
+  TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(w.sym_size(1)), "hgemm.linear: x's last dimension (", x.sym_size(-1),
+                  ") must equal weight's in_features (", w.sym_size(1), ")");
   TORCH_CHECK(x.device() == w.device(), "hgemm.linear: x is on ", x.device(), ", weight on ", w.device());
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "hgemm.linear: bias must be [out_features]");
+    TORCH_CHECK(bias->dim() == 1, "hgemm.linear: bias must be [out_features]");
+    TORCH_SYM_CHECK(bias->sym_size(0).sym_eq(w.sym_size(0)), "hgemm.linear: bias must be [out_features]");
     TORCH_CHECK(bias->scalar_type() == at::kHalf && bias->device() == w.device(),
                 "hgemm.linear: bias must be float16 on ", w.device());
   }
 }
 
-std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& w) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = w.size(0);
+std::vector<c10::SymInt> out_shape(const at::Tensor& x, const at::Tensor& w) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = w.sym_size(0);
   return shape;
 }
 
@@ -85,7 +90,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const std::opti
     return at::linear(x, w, bias);
   c10::DeviceGuard guard(x.device());
   const at::Tensor a = x.contiguous(), b = w.contiguous();
-  at::Tensor y = at::empty(out_shape(x, w), x.options());
+  at::Tensor y = at::empty_symint(out_shape(x, w), x.options());
   const size_t need = hgemm_tuned_workspace_size((int)M, (int)N, (int)K);
   at::Tensor ws;
   if (need) ws = at::empty({(int64_t)need}, x.options().dtype(at::kByte));
@@ -99,24 +104,10 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const std::opti
   return y;
 }
 
-// Shapes for fake tensors and torch.compile, in SymInts throughout: a concrete size() here would
-// specialize the compiled graph to one M, and torch.compile would then recompile for every token
-// count (seen on an H100: the recompile limit hit at the ninth M).
+// Shapes for fake tensors and torch.compile (symbolic sizes: see check_inputs).
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kHalf && w.scalar_type() == at::kHalf,
-              "hgemm.linear: x and weight must be float16, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(w.dim() == 2, "hgemm.linear: weight must be 2-D [out_features, in_features], got ", w.sym_sizes());
-  TORCH_CHECK(x.dim() >= 1, "hgemm.linear: x must have at least one dimension");
-  TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(w.sym_size(1)), "hgemm.linear: x's last dimension (", x.sym_size(-1),
-                  ") must equal weight's in_features (", w.sym_size(1), ")");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kHalf,
-                "hgemm.linear: bias must be [out_features] float16");
-    TORCH_SYM_CHECK(bias->sym_size(0).sym_eq(w.sym_size(0)), "hgemm.linear: bias must be [out_features]");
-  }
-  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
-  shape.back() = w.sym_size(0);
-  return at::empty_symint(shape, x.options());
+  check_inputs(x, w, bias);
+  return at::empty_symint(out_shape(x, w), x.options());
 }
 
 }  // namespace

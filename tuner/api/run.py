@@ -24,7 +24,7 @@ from tuner.search import (
     check_objective,
     nvidia_heuristics,
 )
-from tuner.search.rank import RANKERS
+from tuner.search.rank import check_ranker
 from tuner.space import ACCUMULATE, Shape, Space, Target
 
 DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
@@ -78,8 +78,7 @@ class Options:
             raise UserError("--catalogue-top needs --catalogue FILE (the catalogue whose ranked configs are tried)")
         if self.catalogue_top is not None and self.catalogue_top < 0:
             raise UserError(f"--catalogue-top {self.catalogue_top}: must be >= 0 (0: enqueue no catalogue config)")
-        if self.rank_by not in RANKERS:
-            raise UserError(f"--rank-by {self.rank_by!r}: choose one of {', '.join(RANKERS)}")
+        check_ranker(self.rank_by)
         if self.rank_by != "model" and self.catalogue is None:
             raise UserError("--rank-by needs --catalogue FILE (it orders the catalogue's configs)")
         if self.rank_by == "nvidia":

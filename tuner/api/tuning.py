@@ -48,6 +48,7 @@ from tuner.search.rank import (
     RANKERS,
     Candidate,
     RankQuality,
+    check_ranker,
     in_space,
     rank_catalogue,
     rank_quality,
@@ -347,8 +348,7 @@ def rank_compare(storage: str, top: int = 5, studies: list[str] | None = None, s
     if rankers is None:
         rankers = RANKERS if nvidia_heuristics.available() else ("model",)
     for r in rankers:
-        if r not in RANKERS:
-            raise UserError(f"unknown ranker {r!r}; choose from {', '.join(RANKERS)}")
+        check_ranker(r)
     rows = rank_check(storage, top, studies)
     if not rows:
         return []

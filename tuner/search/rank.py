@@ -24,6 +24,7 @@ nvMatmulHeuristics estimates each variant it can express in place of the cost mo
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -193,6 +194,13 @@ def _default_distance(fam: Family, variant: dict[str, Any]) -> int:
 RANKERS = ("model", "nvidia")
 
 
+def check_ranker(name: str) -> str:
+    """`name` if it is a ranker, else one line saying which there are."""
+    if name not in RANKERS:
+        raise UserError(f"--rank-by {name!r}: choose one of {', '.join(RANKERS)}")
+    return name
+
+
 def _nvidia_estimator(target: Target, accumulate: str) -> Callable[[dict[str, Any], Shape], float | None]:
     """nvMatmulHeuristics' estimate of a full config at a shape (None: it cannot express the
     config); a UserError when the wheel is missing. A target it has no GPU for estimates nothing."""
@@ -228,8 +236,7 @@ def rank_catalogue(space: Space, configs: list[tuple[str, dict[str, Any]]], shap
     (tuner.search.nvidia_heuristics, the `heuristics` extra) estimates every variant it can
     express; the others (stream-K, families other than cute_sm90) take our model's time scaled
     onto its scale, and ties (it ignores stages, raster and swizzle) are broken by our model."""
-    if ranker not in RANKERS:
-        raise UserError(f"--rank-by {ranker!r}: choose one of {', '.join(RANKERS)}")
+    check_ranker(ranker)
     estimate = _nvidia_estimator(target, accumulate) if ranker == "nvidia" else None
     picks = neighbours or []
     # Per config: (catalogue index, family, compile config, [(variant index, variant, model us, nvidia us)])
@@ -265,8 +272,8 @@ def rank_catalogue(space: Space, configs: list[tuple[str, dict[str, Any]]], shap
     # the median ratio of its estimate to our model's over the variants both estimated at this
     # shape (1 when it estimated none): the fallbacks land where our model puts them relative
     # to the heuristic's own order, on its scale.
-    both = sorted(nv / model for *_, variants in rows for _, _, model, nv in variants if nv is not None)
-    scale = _median(both) if both else 1.0
+    both = [nv / model for *_, variants in rows for _, _, model, nv in variants if nv is not None]
+    scale = statistics.median(both) if both else 1.0
     scored: list[tuple[float, float, int, Candidate]] = []
     for i, name, config, variants in rows:
         fam = space.family(name)
@@ -289,11 +296,6 @@ def rank_catalogue(space: Space, configs: list[tuple[str, dict[str, Any]]], shap
     scored.sort(key=lambda s: s[:3])
     ranked = [replace(c, rank=r) for r, (*_, c) in enumerate(scored, 1)]
     return Ranking(ranked, dropped)
-
-
-def _median(values: list[float]) -> float:
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 # ---- how good the ranking was ----------------------------------------------------------------

@@ -182,14 +182,7 @@ SMALL = Plan(slice_ms=1.0, warmup_rounds=2, min_rounds=4, max_rounds=40, window=
 
 def test_sustained_interleaves_short_slices_in_a_new_order_every_round(monkeypatch):
     monkeypatch.setattr(timing, "_cp", _lazy_cp)
-    queued: list[tuple[int, str]] = []
-    real = timing._Slice
-
-    def logged(r, name, *rest):
-        queued.append((r, name))
-        return real(r, name, *rest)
-
-    monkeypatch.setattr(timing, "_Slice", logged)
+    queued = _slices(monkeypatch)
     gpu = LazyGpu({})
     names = ["ours", "cublas", "cublaslt", "torch"]
     contenders = {n: _contender(n, 0.01 * (i + 1)) for i, n in enumerate(names)}

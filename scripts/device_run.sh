@@ -40,23 +40,34 @@ for step in "$@"; do
         --budget "${SWEEP_BUDGET:-200}" \
         ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/llama.db -o runs/llama.json 2>&1 \
         | tee "$OUT/sweep.log" | tail -45; cp runs/llama.json "$OUT/" ;;
-    small)  # small shapes (issue 35): tune from the catalogue, bench both regimes, then ncu over one isolated bench
+    small)  # a shape set (issue 35: small3; SET=large for issue 37's): tune from the catalogue, bench both
+      # regimes, then ncu over one isolated bench per shape (NCU_SHAPES of them, NCU_SECTIONS)
+      S=${SET:-small}
       timeout "$(cap ${SMALL_TIMEOUT:-200})" python3 -m tuner.cli sweep space.yaml --shapes "${SMALL_SHAPES:-small3}" \
         --families "${SMALL_FAMILIES:-cute_sm90}" --trials-per-shape "${SMALL_TRIALS:-24}" --patience 0 --confirm 0 \
-        ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/small.db -o runs/small.json 2>&1 \
-        | tee "$OUT/small_sweep.log" | tail -12; cp runs/small.json "$OUT/"
-      timeout "$(cap 200)" python3 -m tuner.cli bench runs/small.json --mode both --repeats "${REPEATS:-3}" \
-        --out runs/bench_small 2>&1 | tee "$OUT/small_bench.log" | tail -40; cp runs/bench_small/bench.md "$OUT/small_bench.md"
+        ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/$S.db -o runs/$S.json 2>&1 \
+        | tee "$OUT/${S}_sweep.log" | tail -12; cp runs/$S.json runs/$S.db "$OUT/"
+      timeout "$(cap ${BENCH_TIMEOUT:-200})" python3 -m tuner.cli bench runs/$S.json --mode both --repeats "${REPEATS:-3}" \
+        --out runs/bench_$S 2>&1 | tee "$OUT/${S}_bench.log" | tail -40; cp runs/bench_$S/bench.md "$OUT/${S}_bench.md"
       # ncu, one shape at a time: the first GEMM launches of an isolated bench run (verification, then
       # timing: ours is CUTLASS's device_kernel, cuBLAS's are nvjet/sm90 kernels): name, grid, duration
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
-for i, e in enumerate(d["entries"]): json.dump(d | {"entries": [e]}, open(f"runs/small_{i}.json", "w"))' runs/small.json
-      for f in runs/small_[0-9]*.json; do
-        timeout "$(cap 60)" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet|gemm|xmma" \
-          --section SpeedOfLight --section LaunchStats --launch-count "${NCU_LAUNCHES:-40}" --csv --page details \
-          python3 -m tuner.cli bench "$f" --mode isolated --out runs/bench_ncu >> "$OUT/small_ncu.csv" 2>> "$OUT/small_ncu.err"
-      done; tail -3 "$OUT/small_ncu.err"
-      python3 -m tuner.cli rank-check sqlite:///runs/small.db --top 5 2>&1 | tee "$OUT/small_rank.log" | tail -20 ;;
+for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries": [e]}, open(f"runs/{sys.argv[2]}_{i}.json", "w"))' \
+        runs/$S.json "$S" "${NCU_SHAPES:-99}"
+      sections=(); for sec in ${NCU_SECTIONS:-SpeedOfLight LaunchStats}; do sections+=(--section "$sec"); done
+      for f in runs/${S}_[0-9]*.json; do
+        timeout "$(cap ${NCU_TIMEOUT:-60})" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet|gemm|xmma" \
+          "${sections[@]}" --launch-count "${NCU_LAUNCHES:-40}" --csv --page details \
+          python3 -m tuner.cli bench "$f" --mode isolated --out runs/bench_ncu >> "$OUT/${S}_ncu.csv" 2>> "$OUT/${S}_ncu.err"
+      done; tail -3 "$OUT/${S}_ncu.err"
+      python3 -m tuner.cli rank-check sqlite:///runs/$S.db --top 5 2>&1 | tee "$OUT/${S}_rank.log" | tail -20 ;;
+    screen-ab)  # issue 34's trial screen (0036 addendum): the same sweep with the screen on and off, fresh storages
+      for mode in on off; do
+        env $([[ $mode == off ]] && echo HGEMM_TUNE_SCREEN=0) timeout "$(cap ${AB_TIMEOUT:-150})" python3 -m tuner.cli sweep space.yaml \
+          --shapes "${AB_SHAPES:-small3}" --families cute_sm90 --trials-per-shape "${AB_TRIALS:-12}" --patience 0 --confirm 0 \
+          ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/ab_$mode.db -o runs/ab_$mode.json 2>&1 \
+          | tee "$OUT/ab_$mode.log" | tail -14; cp runs/ab_$mode.db "$OUT/"
+      done ;;
     package)  # the export -> one library (nvcc here: 16 cores) and the PyTorch shim for this torch
       # and, for check-package, the same export with our kernel forced at every bucket (correctness at every M)
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); [e.update(pick=e["family"]) for e in d["entries"]]

@@ -61,11 +61,15 @@ for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries"
           python3 -m tuner.cli bench "$f" --mode isolated --out runs/bench_ncu >> "$OUT/${S}_ncu.csv" 2>> "$OUT/${S}_ncu.err"
       done; tail -3 "$OUT/${S}_ncu.err"
       python3 -m tuner.cli rank-check sqlite:///runs/$S.db --top 5 2>&1 | tee "$OUT/${S}_rank.log" | tail -20 ;;
-    screen-ab)  # issue 34's trial screen (0036 addendum): the same sweep with the screen on and off, fresh storages
-      for mode in on off; do
-        env $([[ $mode == off ]] && echo HGEMM_TUNE_SCREEN=0) timeout "$(cap ${AB_TIMEOUT:-150})" python3 -m tuner.cli sweep space.yaml \
+    screen-ab)  # issue 34's trial screen and batches (0036 addendum), fresh storages: AB_MODES of batch (the
+      # default with a catalogue: 8 binaries per shared screen), screen (one binary a trial), noscreen (every variant in full)
+      for mode in ${AB_MODES:-batch screen noscreen}; do
+        extra=(); envs=()
+        [[ $mode != batch ]] && extra=(--batch 1)
+        [[ $mode == noscreen ]] && envs=(HGEMM_TUNE_SCREEN=0)
+        env "${envs[@]}" timeout "$(cap ${AB_TIMEOUT:-150})" python3 -m tuner.cli sweep space.yaml \
           --shapes "${AB_SHAPES:-small3}" --families cute_sm90 --trials-per-shape "${AB_TRIALS:-12}" --patience 0 --confirm 0 \
-          ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/ab_$mode.db -o runs/ab_$mode.json 2>&1 \
+          ${CATALOGUE:+--catalogue "$CATALOGUE"} "${extra[@]}" --storage sqlite:///runs/ab_$mode.db -o runs/ab_$mode.json 2>&1 \
           | tee "$OUT/ab_$mode.log" | tail -14; cp runs/ab_$mode.db "$OUT/"
       done ;;
     package)  # the export -> one library (nvcc here: 16 cores) and the PyTorch shim for this torch

@@ -97,6 +97,42 @@ def test_gpu_worker_killed_from_outside(backend, tmp_path):
     assert ok.ok, ok.reason
 
 
+def test_evaluate_many_screens_binaries_together_and_fails_the_wrong_one(backend, tmp_path):
+    """A batch: each binary verified (the wrong one fails alone), every variant of the verified
+    ones in one shared screen, the survivors (3 to 6 of 9) timed in full with cuBLAS; the others
+    come back screened, with their screen times and no trial time."""
+    shape = parse_shape("67x45x2100")
+    arch = backend.target.arch
+    variants = [{"SWIZZLE_LOG": s} for s in range(3)]  # the naive kernel ignores it: 3 tied variants
+    good = dataclasses.replace(_naive_request("C[i] = __float2half(acc);", shape, tmp_path, arch), variants=variants)
+    wrong = _naive_request(BROKEN["wrong"], shape, tmp_path, arch)
+    ms = backend.evaluate_many([good, good, wrong, good])
+    assert ms[2].status == "failed" and ms[2].kind == "wrong", ms[2].reason
+    mine = [ms[0], ms[1], ms[3]]
+    assert {m.status for m in mine} <= {"ok", "screened"} and any(m.ok for m in mine)
+    keys = {json.dumps(v, sort_keys=True) for v in variants}
+    for m in mine:
+        assert m.regime["batch"] == 4 and m.regime["screened"] == 9 and set(m.regime["screen_us"]) == keys
+        if m.ok:
+            assert set(m.times_us) <= keys and m.baselines_us["cublas"] > 0 and m.regime["steady"] is not None
+        else:
+            assert not m.times_us and "screened out" in m.reason
+    assert 3 <= sum(len(m.times_us) for m in mine) <= 6
+
+
+def test_evaluate_many_finds_a_faulting_binary_one_by_one(backend, tmp_path):
+    """A fault poisons the batch's context, so which binary faulted is unknown: the binaries are
+    measured one by one in fresh workers, and only the culprit fails."""
+    shape = parse_shape("67x45x2100")
+    arch = backend.target.arch
+    good = _naive_request("C[i] = __float2half(acc);", shape, tmp_path, arch)
+    fault = _naive_request(f"C[i] = __float2half(acc); {{ {BROKEN['fault']} }}", shape, tmp_path, arch)
+    restarts = backend.restarts
+    ms = backend.evaluate_many([good, fault, good])
+    assert [m.status for m in ms] == ["ok", "fault", "ok"], [m.reason for m in ms]
+    assert backend.restarts == restarts + 2  # the batch's fault, then the culprit's own
+
+
 def test_fp16_accumulation_is_caught(backend, tmp_path):
     shape = parse_shape("64x64x4096")
     src = NAIVE.replace("float acc = 0.f;", "__half acc = 0;").replace(

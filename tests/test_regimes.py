@@ -251,8 +251,8 @@ def test_sustained_gives_each_contender_its_own_energy_per_gemm(monkeypatch):
 
 # ---- the worker protocol -------------------------------------------------------------------------
 
-def test_protocol_5_carries_the_regime_both_ways():
-    assert PROTOCOL_VERSION == 5
+def test_the_protocol_carries_the_regime_both_ways():
+    assert PROTOCOL_VERSION == 6  # 5: named regimes; 6: evaluate_many
     req = EvaluateRequest("/k.cubin", (64, 64, 64), LaunchSpec(), [{}], mode=ISOLATED)
     assert decode_request(encode_request(req)) == req
     rep = RegimeReport(ISOLATED, rounds=100, steady=True, steady_after=20).to_dict()

@@ -31,6 +31,12 @@ DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
 BACKENDS = ("gpu", "replay")
 
 
+# Binaries per shared screen with a catalogue, and the most a request may hold (each binary's
+# variants get CUDA graphs in the worker: 16 variants x 32 binaries is ~500 graphs already).
+BATCH_WITH_CATALOGUE = 8
+MAX_BATCH = 32
+
+
 @dataclass
 class Options:
     """Everything a tune, sweep, worker, confirm or bench run takes besides what it tunes."""
@@ -61,6 +67,16 @@ class Options:
     rank_by: str = "model"
     # The timing regime whose time the search minimizes (sustained, isolated); None: a joined study's own.
     objective: str | None = SUSTAINED
+    # Ready binaries measured together: verified one by one, then all their run-time variants in one
+    # shared screen and one steady stage with cuBLAS (measure.evaluate_many). None: BATCH_WITH_CATALOGUE
+    # with a catalogue (its kernels are ready at once), else 1 (a binary at a time as its build lands).
+    batch: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        if self.batch is not None:
+            return self.batch
+        return BATCH_WITH_CATALOGUE if self.catalogue is not None else 1
 
     def check(self) -> None:
         """Every input checked before any work: one clear error, never a traceback minutes in."""
@@ -74,6 +90,8 @@ class Options:
             raise UserError("--backend replay needs --replay FILE (a file of recorded GPU measurements)")
         if self.objective is not None:  # an older name (offline, server) becomes the regime's
             self.objective = check_objective(self.objective)
+        if self.batch is not None and not 1 <= self.batch <= MAX_BATCH:
+            raise UserError(f"--batch {self.batch}: must be 1 to {MAX_BATCH} (binaries measured together)")
         if self.catalogue_top is not None and self.catalogue is None:
             raise UserError("--catalogue-top needs --catalogue FILE (the catalogue whose ranked configs are tried)")
         if self.catalogue_top is not None and self.catalogue_top < 0:

@@ -87,7 +87,7 @@ def _search(space: Space, fams: list[str], shape: Shape, be: Backend, pool: Comp
     search = Search(space, fams, shape, be, trials=trials, storage=opts.storage, sampler=opts.sampler, name=name,
                     seed=opts.seed, pool=pool, eval_timeout_s=hang_timeout_s(baselines["cublas"]),
                     recorder=recorder, warm_start=warm_start, patience=patience, accumulate=opts.accumulate,
-                    catalogue=held, objective=objective, ranking=ranking)
+                    catalogue=held, objective=objective, ranking=ranking, batch=opts.batch_size)
     return search.run(timeout_s, listener.trial)
 
 

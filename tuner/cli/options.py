@@ -47,6 +47,11 @@ CatalogueTop = Annotated[int | None, typer.Option(
          "tuned shapes in --storage; then the sampler compiles new configs. Default: every catalogue config, "
          "ranked; 0: none (the catalogue only fills the compile cache). `hgemm-tune rank-check` shows how well "
          "the ranking predicted the measured order.")]
+Batch = Annotated[int | None, typer.Option(
+    "--batch", min=1,
+    help="Binaries measured together: each verified, then all their run-time variants ranked in one shared "
+         "screen, and only the few best timed in full against cuBLAS in one section; the rest are recorded as "
+         "screened (pruned). Default: 8 with --catalogue (its kernels are ready at once), else 1.")]
 RankBy = Annotated[str, typer.Option(
     "--rank-by", help="With --catalogue: what orders its configs. model: our cost model; nvidia: NVIDIA's "
                       "nvMatmulHeuristics estimates (optional, NVIDIA-licensed wheel: pip install "

@@ -50,6 +50,7 @@ def tune(
     catalogue_top: o.CatalogueTop = None,
     rank_by: o.RankBy = "model",
     objective: o.Objective = "sustained",
+    batch: o.Batch = None,
 ) -> None:
     """Tune one shape: sample configs, compile, verify, time against cuBLAS; confirm the best few
     in fresh runs; export the winner as JSON."""
@@ -57,7 +58,7 @@ def tune(
                        sampler=sampler, seed=seed, timeout_s=timeout, backend=backend, replay=replay, arch=arch,
                        gpu=gpu, jobs=jobs, record=record, accumulate=accumulate, confirm_top=confirm,
                        confirm_runs=confirm_runs, catalogue=catalogue, catalogue_top=catalogue_top,
-                       rank_by=rank_by, objective=objective)
+                       rank_by=rank_by, objective=objective, batch=batch)
     try:
         with CliListener() as listener:
             res = api.tune_shape(shape, opts, listener, study=study, output=output, workers=workers)
@@ -135,6 +136,7 @@ def sweep(
     catalogue_top: o.CatalogueTop = None,
     rank_by: o.RankBy = "model",
     objective: o.Objective = "sustained",
+    batch: o.Batch = None,
 ) -> None:
     """Tune every shape of the file's shape lists, cheapest first, one study per shape, resumable;
     confirm each shape's best few in fresh runs."""
@@ -144,7 +146,7 @@ def sweep(
     opts = api.Options(trials=trials_per_shape, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
                        accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs, catalogue=catalogue,
-                       catalogue_top=catalogue_top, rank_by=rank_by, objective=objective)
+                       catalogue_top=catalogue_top, rank_by=rank_by, objective=objective, batch=batch)
     try:
         with CliListener(sweep=True) as listener:
             res = api.sweep(opts, shapes, time_per_shape=time_per_shape,

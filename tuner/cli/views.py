@@ -80,6 +80,8 @@ class CliListener(Listener):
                 if progress.best_us else "no verified kernel yet")
         extra = "" if self.sweep or rec is None else f" | rejected {progress.invalid}"
         failed = "" if rec is None else f" | failed {progress.failed}"
+        if rec is not None and progress.screened:
+            failed += f" | screened out {progress.screened}"
         assert self.task is not None
         self.bar.update(self.task, completed=min(progress.done, self.trials), status=f"{best}{failed}{extra}")
 
@@ -146,7 +148,9 @@ def summary_table(study: optuna.Study) -> Table:
                       escape(regime_text(a.clocks)), steady_text(a.regime_report or None),
                       json.dumps(a.kernel, separators=(",", ":")))
     stats = study_stats(study)
-    table.caption = (f"{stats['trials']} trials measured, {stats['ok']} verified, "
+    table.caption = (f"{stats['trials']} trials measured, {stats['ok'] + stats['screened']} verified"
+                     + (f" ({stats['screened']} of them screened out in a batch: verified, slower than the "
+                        "kept ones in the shared screen, not timed in full)" if stats["screened"] else "") + ", "
                      f"{stats['invalid_rejected']} rejected before nvcc, {stats['duplicates']} duplicates; "
                      f"failures: {stats['failures'] or 'none'}; median cold compile "
                      f"{fmt(stats['compile_s_cold_median'], '.1f')} s"

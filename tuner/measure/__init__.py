@@ -10,6 +10,7 @@ from tuner.measure.backend import (
     Measurement,
     candidate_spec,
     config_key,
+    evaluate_many,
     launch_spec,
     variant_key,
 )
@@ -19,6 +20,6 @@ from tuner.measure.replay import ReplayBackend, record_baseline, record_measurem
 
 __all__ = [
     "Backend", "CandidateSpec", "CompareReply", "EvalRequest", "GpuBackend", "LaunchSpec", "Measurement",
-    "ReplayBackend", "candidate_spec", "config_key", "launch_spec", "record_baseline", "record_measurement",
-    "variant_key",
+    "ReplayBackend", "candidate_spec", "config_key", "evaluate_many", "launch_spec", "record_baseline",
+    "record_measurement", "variant_key",
 ]

@@ -31,7 +31,8 @@ class EvalRequest:
 
 @dataclass
 class Measurement:
-    status: str                      # ok | failed | fault | timeout | not_recorded
+    # screened: verified, and a batch's shared screen kept none of its variants (regime screen_us)
+    status: str                      # ok | screened | failed | fault | timeout | not_recorded
     kind: str | None = None          # failure kind: wrong, out_of_bounds, unwritten, fault, hang, ...
     reason: str | None = None
     times_us: dict[str, float] = field(default_factory=dict)   # variant (JSON) -> us
@@ -81,6 +82,15 @@ class Backend(Protocol):
     def evaluate(self, req: EvalRequest, timeout_s: float = 60.0) -> Measurement: ...
 
     def close(self) -> None: ...
+
+
+def evaluate_many(backend: Backend, reqs: list[EvalRequest], timeout_s: float = 60.0) -> list[Measurement]:
+    """Several binaries of one shape: in one shared screen and section where the backend can
+    (GpuBackend.evaluate_many), else one by one (the replay backend answers per config)."""
+    many = getattr(backend, "evaluate_many", None)
+    if many is not None and len(reqs) > 1:
+        return many(reqs, timeout_s=timeout_s)
+    return [backend.evaluate(r, timeout_s=timeout_s) for r in reqs]
 
 
 def launch_spec(fam: Family, config: dict[str, Any], shape: Shape, target: Target) -> LaunchSpec:

@@ -29,14 +29,17 @@ from tuner.measure.protocol import (
     CandidateSpec,
     CompareReply,
     CompareRequest,
+    EvaluateItem,
+    EvaluateManyRequest,
     EvaluateRequest,
     HelloReply,
     HelloRequest,
+    ItemResult,
     Request,
     decode_reply,
     encode_request,
 )
-from tuner.measure.regimes import SUSTAINED
+from tuner.measure.regimes import SUSTAINED, RegimeReport
 from tuner.space import Shape, Target, target_from_device
 
 # The directory that holds the `tuner` package this process runs (a checkout or site-packages).
@@ -167,6 +170,39 @@ class GpuBackend:
                            baselines_us=reply.baselines, verify=reply.verify, gpu=self.name,
                            seconds=time.perf_counter() - start, gpu_state=reply.gpu_state, clocks=reply.clocks,
                            mode=reply.mode, regime=reply.regime)
+
+    def evaluate_many(self, reqs: list[EvalRequest], timeout_s: float = 60.0) -> list[Measurement]:
+        """Several binaries of one shape in one request (worker.evaluate_many): each verified, all
+        their variants screened together, the survivors timed with cuBLAS in one section.
+        `timeout_s` is per binary. A fault, hang or refusal of the batch as a whole (which
+        binary is unknown) measures the binaries one by one instead, so the culprit fails alone."""
+        start = time.perf_counter()
+        first = reqs[0]
+        if any(r.cubin is None for r in reqs) or len({(r.shape, r.accumulate, r.mode) for r in reqs}) > 1:
+            raise ValueError("evaluate_many: built binaries of one shape, accumulation and regime only")
+        items = [EvaluateItem(_absolute(r.cubin), r.launch, r.variants, r.digest) for r in reqs]  # type: ignore[arg-type]
+        reply = self._call_restarting(EvaluateManyRequest((first.shape.M, first.shape.N, first.shape.K), items,
+                                                          first.accumulate, first.mode), timeout_s * len(reqs))
+        if not reply.ok or len(reply.items) != len(reqs):
+            return [self.evaluate(r, timeout_s) for r in reqs]
+        seconds = (time.perf_counter() - start) / len(reqs)
+        shared = RegimeReport.from_dict(reply.regime, reply.mode)
+        shared.batch = len(reqs)
+        out = []
+        for i, raw in enumerate(reply.items):
+            item = ItemResult(**{k: v for k, v in raw.items() if k in ItemResult.__dataclass_fields__})
+            status = item.status if item.status in ("ok", "screened") else "failed"
+            reason = item.reason
+            if status == "screened":
+                best = min(item.screen_us.values()) if item.screen_us else None
+                reason = (f"screened out: its best variant took {best:.2f} us in the screen of {len(reqs)} binaries,"
+                          f" behind the {shared.kept} variants kept" if best else "screened out")
+            out.append(Measurement(status=status, kind=item.kind or (status if status == "screened" else None),
+                                   reason=reason, times_us=item.times, baselines_us=reply.baselines,
+                                   verify=item.verify, gpu=self.name, seconds=seconds, gpu_state=reply.gpu_state,
+                                   clocks=reply.clocks, mode=reply.mode,
+                                   regime=shared.for_item(f"{i}|").to_dict() if reply.regime else {}))
+        return out
 
     def compare(self, shape: Shape, candidates: dict[str, CandidateSpec], timeout_s: float = 300.0,
                 modes: list[str] | None = None, torch: bool = True) -> CompareReply:

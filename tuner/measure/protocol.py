@@ -17,7 +17,8 @@ from tuner.measure.regimes import ALIASES, REGIMES, SUSTAINED, RegimeReport
 
 # 4: clock records (clocks, clocks_by_mode). 5: the named regimes (sustained, isolated) replace
 # offline and server; evaluate and baseline take a regime; replies carry each regime's report.
-PROTOCOL_VERSION = 5
+# 6: evaluate_many, several binaries of one shape verified, screened together and timed in one section.
+PROTOCOL_VERSION = 6
 MODES = REGIMES
 
 
@@ -71,6 +72,28 @@ class EvaluateRequest:
 
 
 @dataclass(frozen=True)
+class EvaluateItem:
+    """One binary of an EvaluateManyRequest, with the run-time variants to time it at."""
+
+    binary: str
+    launch: LaunchSpec
+    variants: list[dict[str, Any]]
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
+class EvaluateManyRequest:
+    """Verify several binaries of one shape (each at every run-time variant), then screen all
+    their variants together and time the survivors against cuBLAS in one section: a batch of
+    search trials that costs one screen and one steady stage instead of one of each per binary."""
+
+    shape: tuple[int, int, int]
+    items: list[EvaluateItem]
+    accumulate: str = "fp32"
+    mode: str = SUSTAINED
+
+
+@dataclass(frozen=True)
 class CompareRequest:
     """Verify each candidate, then time them with every vendor baseline in each regime."""
 
@@ -80,9 +103,9 @@ class CompareRequest:
     torch: bool = True
 
 
-Request = HelloRequest | BaselineRequest | EvaluateRequest | CompareRequest
+Request = HelloRequest | BaselineRequest | EvaluateRequest | EvaluateManyRequest | CompareRequest
 OPS: dict[str, type] = {"hello": HelloRequest, "baseline": BaselineRequest, "evaluate": EvaluateRequest,
-                        "compare": CompareRequest}
+                        "evaluate_many": EvaluateManyRequest, "compare": CompareRequest}
 
 
 @dataclass
@@ -130,6 +153,30 @@ class EvaluateReply(Reply):
 
 
 @dataclass
+class ItemResult:
+    """One binary's part of an EvaluateManyReply. status "screened": verified, and every one of its
+    variants was left behind by the shared screen (`screen_us` has their screen times); "ok": at
+    least one variant went on to the steady stage (`times`)."""
+
+    status: str = "ok"         # ok | screened | failed
+    kind: str | None = None
+    reason: str | None = None
+    verify: dict[str, Any] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)       # variant (JSON) -> us, steady stage
+    screen_us: dict[str, float] = field(default_factory=dict)   # variant (JSON) -> us, the screen's
+
+
+@dataclass
+class EvaluateManyReply(Reply):
+    items: list[dict[str, Any]] = field(default_factory=list)   # ItemResult as dicts, in request order
+    baselines: dict[str, float] = field(default_factory=dict)
+    clocks: dict[str, Any] = field(default_factory=dict)
+    gpu_state: dict[str, Any] = field(default_factory=dict)
+    mode: str = SUSTAINED
+    regime: dict[str, Any] = field(default_factory=dict)        # the shared section's RegimeReport.to_dict()
+
+
+@dataclass
 class CompareReply(Reply):
     modes: list[str] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)        # sustained if timed, else the first regime
@@ -169,7 +216,8 @@ class CompareReply(Reply):
 
 
 REPLIES: dict[type, type] = {HelloRequest: HelloReply, BaselineRequest: BaselineReply,
-                             EvaluateRequest: EvaluateReply, CompareRequest: CompareReply}
+                             EvaluateRequest: EvaluateReply, EvaluateManyRequest: EvaluateManyReply,
+                             CompareRequest: CompareReply}
 R = TypeVar("R", bound=Reply)
 
 
@@ -188,6 +236,9 @@ def decode_request(line: str) -> Request:
         cls = OPS[raw.pop("op")]
         if cls is EvaluateRequest:
             raw["launch"] = LaunchSpec(**raw["launch"])
+        elif cls is EvaluateManyRequest:
+            raw["items"] = [EvaluateItem(i["binary"], LaunchSpec(**i["launch"]), list(i["variants"]), i.get("digest"))
+                            for i in raw["items"]]
         elif cls is CompareRequest:
             raw["candidates"] = {name: CandidateSpec(c["binary"], LaunchSpec(**c["launch"]), c.get("variant", {}),
                                                      c.get("digest"))

@@ -20,6 +20,7 @@ Parent side and worker side both import this module: it imports nothing of the G
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -196,6 +197,20 @@ class RegimeReport:
     screened: int = 0
     kept: int = 0
     screen_us: dict[str, float] = field(default_factory=dict)
+    # A batch (evaluate_many): how many binaries were screened together in this section (0: this
+    # trial's binary alone); `screened` and `kept` then count the variants of all of them.
+    batch: int = 0
+
+    def for_item(self, prefix: str) -> RegimeReport:
+        """One binary's view of a batch section: its own contenders' entries (named
+        "<prefix><variant>" in the section, here "<variant>") and the others' (cuBLAS)."""
+        def own(d: dict[str, Any]) -> dict[str, Any]:
+            return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in d.items()
+                    if k.startswith(prefix) or "|" not in k}
+        return dataclasses.replace(self, spread=own(self.spread), launches=own(self.launches),
+                                   energy_mj=own(self.energy_mj),
+                                   screen_us={k[len(prefix):]: v for k, v in self.screen_us.items()
+                                              if k.startswith(prefix)})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,6 +234,8 @@ def steady_text(report: dict[str, Any] | RegimeReport | None) -> str:
     if rep.steady is None:
         return "unknown"
     screen = f"; {rep.kept} of {rep.screened} variants after a screen" if rep.screened else ""
+    if rep.batch > 1:
+        screen += f" of {rep.batch} binaries"
     if rep.steady:
         return f"yes ({rep.steady_after} rounds{screen})"
     return f"NO ({rep.rounds} rounds{screen})"

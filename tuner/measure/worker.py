@@ -16,6 +16,8 @@ import random
 import sys
 import time
 import traceback
+from dataclasses import asdict
+from typing import Any
 
 from tuner.measure import verify
 from tuner.measure.buffers import Buffers
@@ -31,10 +33,13 @@ from tuner.measure.protocol import (
     BaselineRequest,
     CompareReply,
     CompareRequest,
+    EvaluateManyReply,
+    EvaluateManyRequest,
     EvaluateReply,
     EvaluateRequest,
     HelloReply,
     HelloRequest,
+    ItemResult,
     ProtocolError,
     Reply,
     decode_request,
@@ -133,21 +138,14 @@ class Worker:
         times, clocks, report = self.timed(mode, {"cublas": lambda b, s: cublas(b, s)}, buf, plan=SUSTAINED_TRIAL)
         return BaselineReply(baselines=times, clocks=clocks, regime=report)
 
-    def evaluate(self, req: EvaluateRequest) -> EvaluateReply:
-        """Verify then time one binary (all its run-time variants) against cuBLAS, in the
-        request's regime (the search's objective)."""
+    def _checked(self, binary: str, launch, variants: list, digest: str | None, buf: Buffers, cublas,
+                 accumulate: str) -> tuple[dict[str, Any], dict[str, Any] | None, EvaluateReply | None]:
+        """Load one binary and verify it at every run-time variant: (variant JSON -> launcher, the
+        verification report, None), or ({}, report, the failure reply). A KernelFault propagates."""
         try:
-            mode = canonical(req.mode)
-        except ValueError as exc:
-            return EvaluateReply(status="error", kind="protocol", reason=str(exc))
-        buf = self.buffers_for(req.shape)
-        try:
-            cand = load_candidate(req.binary, req.launch, req.digest)
+            cand = load_candidate(binary, launch, digest)
         except Exception as exc:  # noqa: BLE001 - a binary that will not load is a failed trial
-            return EvaluateReply(status="failed", kind="load", reason=f"binary does not load: {exc}")
-        variants = req.variants
-        accumulate = req.accumulate
-        cublas = self.cublas_for(accumulate)
+            return {}, None, EvaluateReply(status="failed", kind="load", reason=f"binary does not load: {exc}")
         launchers = {json.dumps(v, sort_keys=True): cand.launcher(v) for v in variants}
         try:
             if isinstance(cand, LibraryCandidate):
@@ -157,16 +155,34 @@ class Worker:
             first = next(iter(launchers.values()))
             report = verify.full_check(first, cublas, buf, self.stream, accumulate)
             if report["ok"]:
-                for key, launch in list(launchers.items())[1:]:
-                    sub = verify.random_check(launch, cublas, buf, self.stream, accumulate)
+                for key, launch_fn in list(launchers.items())[1:]:
+                    sub = verify.random_check(launch_fn, cublas, buf, self.stream, accumulate)
                     if not sub["ok"]:
                         report = sub | {"variant": json.loads(key)}
                         break
-            if not report["ok"]:
-                return EvaluateReply(status="failed", kind=report.get("kind", "wrong"), reason=report["reason"],
-                                     verify=report)
+        except LaunchRefused as exc:
+            return {}, None, EvaluateReply(status="failed", kind="refused", reason=str(exc))
+        if not report["ok"]:
+            return {}, report, EvaluateReply(status="failed", kind=report.get("kind", "wrong"),
+                                             reason=report["reason"], verify=report)
+        return launchers, report, None
+
+    def evaluate(self, req: EvaluateRequest) -> EvaluateReply:
+        """Verify then time one binary (all its run-time variants) against cuBLAS, in the
+        request's regime (the search's objective)."""
+        try:
+            mode = canonical(req.mode)
+        except ValueError as exc:
+            return EvaluateReply(status="error", kind="protocol", reason=str(exc))
+        buf = self.buffers_for(req.shape)
+        cublas = self.cublas_for(req.accumulate)
+        try:
+            launchers, report, failed = self._checked(req.binary, req.launch, req.variants, req.digest, buf, cublas,
+                                                      req.accumulate)
+            if failed is not None:
+                return failed
             if not req.time:
-                return EvaluateReply(verify=report)
+                return EvaluateReply(verify=report or {})
             verify.fill_normal(buf)
             # Only the variants the screen keeps are timed in full: `times` holds those, the
             # report every screened variant's screen time (regime report's screen_us).
@@ -176,9 +192,52 @@ class Worker:
         except LaunchRefused as exc:
             return EvaluateReply(status="failed", kind="refused", reason=str(exc))
         baselines = {"cublas": times.pop("cublas")}
-        return EvaluateReply(verify=report, times=dict(times), baselines=baselines, clocks=clocks,
+        return EvaluateReply(verify=report or {}, times=dict(times), baselines=baselines, clocks=clocks,
                              gpu_state=gpu_state(clocks), mode=mode, regime=timing_report)
 
+    def evaluate_many(self, req: EvaluateManyRequest) -> EvaluateManyReply:
+        """Verify each binary, then screen every variant of every verified binary together and
+        time the survivors against cuBLAS in one section (timing.time_trial with the trial screen):
+        each item is "ok" with its steady-stage times, "screened" (verified, none of its variants
+        kept; their screen times only) or "failed". A fault in any binary poisons the context: the
+        reply is fatal and the parent measures the items one by one to find it."""
+        try:
+            mode = canonical(req.mode)
+        except ValueError as exc:
+            return EvaluateManyReply(status="error", kind="protocol", reason=str(exc))
+        buf = self.buffers_for(req.shape)
+        cublas = self.cublas_for(req.accumulate)
+        results = [ItemResult() for _ in req.items]
+        contenders: dict[str, Any] = {}
+        for i, item in enumerate(req.items):
+            launchers, report, failed = self._checked(item.binary, item.launch, item.variants, item.digest, buf,
+                                                      cublas, req.accumulate)
+            if failed is not None:
+                results[i] = ItemResult(status="failed", kind=failed.kind, reason=failed.reason,
+                                        verify=failed.verify)
+                continue
+            results[i].verify = report or {}
+            contenders |= {f"{i}|{key}": fn for key, fn in launchers.items()}
+        if not contenders:
+            return EvaluateManyReply(items=[asdict(r) for r in results], mode=mode)
+        verify.fill_normal(buf)
+        try:
+            times, clocks, timing_report = self.timed_trial(mode, contenders, {"cublas": cublas}, buf)
+        except LaunchRefused as exc:  # refused only at timing (a graph capture): every item shares the section
+            return EvaluateManyReply(status="failed", kind="refused", reason=str(exc))
+        baselines = {"cublas": times.pop("cublas")}
+        screen_us = timing_report.get("screen_us") or {}
+        for name, t in times.items():
+            i, key = name.split("|", 1)
+            results[int(i)].times[key] = t
+        for name, t in screen_us.items():
+            i, key = name.split("|", 1)
+            results[int(i)].screen_us[key] = t
+        for r in results:
+            if r.status == "ok" and not r.times:
+                r.status = "screened"
+        return EvaluateManyReply(items=[asdict(r) for r in results], baselines=baselines, clocks=clocks,
+                                 gpu_state=gpu_state(clocks), mode=mode, regime=timing_report)
 
     def l2_flush(self) -> L2Flush:
         """The isolated regime's flush buffer: allocated once per worker, outside any shape's pool churn."""
@@ -259,7 +318,7 @@ class Worker:
 def serve(worker: Worker, req) -> Reply:
     """One request -> its reply; a CUDA error anywhere is the kernel's fault (fatal)."""
     handler = {HelloRequest: worker.hello, BaselineRequest: worker.baseline, EvaluateRequest: worker.evaluate,
-               CompareRequest: worker.compare}[type(req)]
+               EvaluateManyRequest: worker.evaluate_many, CompareRequest: worker.compare}[type(req)]
     try:
         return handler(req)
     except KernelFault as exc:

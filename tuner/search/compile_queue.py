@@ -13,7 +13,7 @@ import optuna
 
 from tuner.build import CompilePool, CompileResult, RenderError, render, source_hash
 from tuner.errors import UserError
-from tuner.measure import Backend, EvalRequest, Measurement, launch_spec
+from tuner.measure import Backend, EvalRequest, Measurement, evaluate_many, launch_spec
 from tuner.measure.regimes import SUSTAINED
 from tuner.search.records import Status, TrialRecord
 from tuner.search.sampler import full_config
@@ -60,12 +60,11 @@ def prepare(fam: Family, config: dict[str, Any], shape: Shape, backend: Backend,
     return pending
 
 
-def finish(p: Pending, shape: Shape, backend: Backend, timeout_s: float,
-           recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> TrialRecord:
-    """Wait for the compile, then measure on the backend."""
+def built(p: Pending) -> bool:
+    """Wait for the compile; True if the binary is ready to measure (False: the record says why not)."""
     rec = p.record
     if rec.status in (Status.INVALID, Status.RENDER_ERROR):
-        return rec
+        return False
     assert p.request is not None
     if p.future is not None:
         cres: CompileResult = p.future.result()
@@ -73,12 +72,41 @@ def finish(p: Pending, shape: Shape, backend: Backend, timeout_s: float,
         rec.registers, rec.spill_bytes = cres.registers, cres.spill_bytes
         if not cres.ok:
             rec.status, rec.kind, rec.reason = Status.COMPILE_ERROR, "compile", cres.error
-            return rec
+            return False
         p.request.cubin, p.request.digest = cres.cubin, cres.digest
+    return True
+
+
+def ready(p: Pending) -> bool:
+    """Measurable without waiting: rendered, and its build finished (or nothing to build)."""
+    return p.request is not None and p.record.status == Status.PENDING and (p.future is None or p.future.done())
+
+
+def finish(p: Pending, shape: Shape, backend: Backend, timeout_s: float,
+           recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> TrialRecord:
+    """Wait for the compile, then measure on the backend."""
+    if not built(p):
+        return p.record
+    assert p.request is not None
     m = backend.evaluate(p.request, timeout_s=timeout_s)
     if recorder is not None and not m.simulated:
         recorder(p.request, m)
-    return rec.apply(m, shape, backend.target.peak_tflops)
+    return p.record.apply(m, shape, backend.target.peak_tflops)
+
+
+def finish_many(ps: list[Pending], shape: Shape, backend: Backend, timeout_s: float,
+                recorder: Callable[[EvalRequest, Measurement], None] | None = None) -> list[TrialRecord]:
+    """Wait for each compile, then measure the built ones together (measure.evaluate_many: one
+    shared screen and section on a GPU). `timeout_s` is per binary."""
+    measurable = [p for p in ps if built(p)]
+    if measurable:
+        reqs = [p.request for p in measurable]
+        for p, m in zip(measurable, evaluate_many(backend, reqs, timeout_s), strict=True):  # type: ignore[arg-type]
+            assert p.request is not None
+            if recorder is not None and not m.simulated:
+                recorder(p.request, m)
+            p.record.apply(m, shape, backend.target.peak_tflops)
+    return [p.record for p in ps]
 
 
 def hang_timeout_s(cublas_us: float) -> float:

@@ -26,7 +26,7 @@ from tuner.build import CompilePool, RenderError, render, source_hash, template_
 from tuner.errors import UserError
 from tuner.measure import Backend, EvalRequest, Measurement, config_key
 from tuner.measure.regimes import SUSTAINED
-from tuner.search.compile_queue import Pending, finish, prepare
+from tuner.search.compile_queue import Pending, finish, finish_many, prepare, ready
 from tuner.search.interrupts import INTERRUPTS
 from tuner.search.owners import this_process
 from tuner.search.rank import Candidate
@@ -61,6 +61,7 @@ class Progress:
     done: int = 0
     invalid: int = 0
     failed: int = 0
+    screened: int = 0  # verified, left behind by a batch's shared screen (Status.SCREENED)
     best_us: float | None = None
     best_tflops: float | None = None
 
@@ -77,7 +78,7 @@ class Search:
                  pool: CompilePool | None = None, lookahead: int | None = None, eval_timeout_s: float = 60.0,
                  recorder: Recorder | None = None, warm_start: list[tuple[str, dict[str, Any]]] | None = None,
                  patience: int | None = None, accumulate: str = "fp32", catalogue: dict[str, str] | None = None,
-                 objective: str = SUSTAINED, ranking: dict[str, Candidate] | None = None):
+                 objective: str = SUSTAINED, ranking: dict[str, Candidate] | None = None, batch: int = 1):
         self.families: list[Family] = [space.family(n) for n in family_names]
         check_accumulate(space, family_names, accumulate)
         objective = check_objective(objective)
@@ -85,6 +86,9 @@ class Search:
         self.shape, self.backend, self.pool, self.trials = shape, backend, pool, trials
         self.eval_timeout_s, self.recorder = eval_timeout_s, recorder
         self.patience, self.accumulate, self.objective = patience, accumulate, objective
+        # Up to `batch` ready binaries (catalogue kernels, finished builds) are measured in one request:
+        # one shared screen of all their variants, one steady stage (measure.evaluate_many).
+        self.batch = max(1, batch)
         self.catalogue = catalogue or {}  # source hash -> digest of the kernel catalogue holding it
         self.ranking = ranking or {}  # config key -> its place in the catalogue ranking for this shape
         self.backing = open_storage(storage)
@@ -110,7 +114,7 @@ class Search:
         self.progress = Progress(done=evaluated_trials(self.study))
         self.progress.best_us, self.progress.best_tflops = current_best(self.study, self.here)
         # Ask ahead enough to keep every nvcc job busy while the GPU measures.
-        self.lookahead = lookahead or (2 * pool.jobs if pool else 8)
+        self.lookahead = max(lookahead or (2 * pool.jobs if pool else 8), self.batch)
         self.max_asks = trials * 30 + 100  # the sampler may keep proposing invalid configs: bound it
         self.asks = self.stale = self.since_best = 0
         self.rng = random.Random(seed)
@@ -275,7 +279,29 @@ class Search:
         study filled while it was measured) or another worker told it first."""
         p = self.queue[0]
         rec = finish(p, self.shape, self.backend, self.eval_timeout_s, self.recorder)  # a signal may stop it here
-        assert p.trial is not None
+        return self._tell_oldest(p, rec)
+
+    def batchable(self) -> list[Pending]:
+        """The oldest queued trials that are ready to measure now (catalogue kernels, finished
+        builds), `batch` at most; [] unless two or more are and the backend measures batches."""
+        if self.batch < 2 or getattr(self.backend, "evaluate_many", None) is None:
+            return []
+        out: list[Pending] = []
+        for p in self.queue:
+            if len(out) >= self.batch or not ready(p):
+                break
+            out.append(p)
+        return out if len(out) > 1 else []
+
+    def measure_many(self, ps: list[Pending]) -> list[TrialRecord | None]:
+        """Measure the oldest queued trials `ps` together (one shared screen and section) and tell
+        each, oldest first (measure_next's rules for each)."""
+        recs = finish_many(ps, self.shape, self.backend, self.eval_timeout_s, self.recorder)
+        return [self._tell_oldest(p, rec) for p, rec in zip(ps, recs, strict=True)]
+
+    def _tell_oldest(self, p: Pending, rec: TrialRecord) -> TrialRecord | None:
+        """Tell the measured trial at the head of the queue and drop it from the queue."""
+        assert p.trial is not None and self.queue[0] is p
         with INTERRUPTS.deferred():
             try:
                 claimed = self.claim_slot(p.trial)
@@ -299,6 +325,8 @@ class Search:
             self.progress.best_us, self.progress.best_tflops = current_best(self.study, self.here)
             if self.progress.best_us is not None and (before is None or self.progress.best_us < before):
                 self.since_best = 0
+        elif rec.status == Status.SCREENED:
+            self.progress.screened += 1
         else:
             self.progress.failed += 1
         return rec
@@ -322,9 +350,10 @@ class Search:
                     self.ask_batch()
                     if not self.queue or self._hand_back_if_filled():
                         break
-                    rec = self.measure_next()
-                    if on_progress and rec is not None:
-                        on_progress(self.progress, rec)
+                    batch = self.batchable()
+                    for rec in (self.measure_many(batch) if batch else [self.measure_next()]):
+                        if on_progress and rec is not None:
+                            on_progress(self.progress, rec)
         except KeyboardInterrupt:
             with INTERRUPTS.deferred():  # a second signal must not cut this short
                 for p in self.queue:
@@ -339,15 +368,17 @@ def tune(space: Space, family_names: list[str], shape: Shape, backend: Backend, 
          timeout_s: float | None = None, pool: CompilePool | None = None, lookahead: int | None = None,
          eval_timeout_s: float = 60.0, on_progress: ProgressCallback | None = None, recorder: Recorder | None = None,
          warm_start: list[tuple[str, dict[str, Any]]] | None = None, patience: int | None = None,
-         accumulate: str = "fp32", objective: str = SUSTAINED) -> optuna.Study:
+         accumulate: str = "fp32", objective: str = SUSTAINED, batch: int = 1) -> optuna.Study:
     """Run (or join, or resume) the study until it holds `trials` measured trials.
 
     accumulate: fp32 (the default problem) or fp16 accumulation, a different problem with
     its own study, verification and cuBLAS baseline (fp16 compute). objective: the timing
     regime whose time the search minimizes (sustained or isolated, tuner.measure.regimes).
     warm_start: (family, config) pairs tried first in a fresh study (e.g. the winners of
-    nearby shapes). patience: stop once the best has not improved for this many trials."""
+    nearby shapes). patience: stop once the best has not improved for this many trials. batch:
+    ready binaries measured together in one shared screen (Search.batchable)."""
     search = Search(space, family_names, shape, backend, trials=trials, storage=storage, sampler=sampler, name=name,
                     seed=seed, pool=pool, lookahead=lookahead, eval_timeout_s=eval_timeout_s, recorder=recorder,
-                    warm_start=warm_start, patience=patience, accumulate=accumulate, objective=objective)
+                    warm_start=warm_start, patience=patience, accumulate=accumulate, objective=objective,
+                    batch=batch)
     return search.run(timeout_s, on_progress)

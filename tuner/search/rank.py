@@ -356,11 +356,22 @@ def rank_quality(study: optuna.Study, top: int = 5) -> RankQuality | None:
     if not ranked:
         return None
     times: dict[int, float] = {}
-    for t in current_ok(trials, study_gpu(study)):
+    for t in current_ok(trials, study_gpu(study), screened=True):
         rec = TrialRecord.of(t)
-        if rec.catalogue_rank is not None and rec.time_us is not None:
-            times[rec.catalogue_rank] = min(rec.time_us, times.get(rec.catalogue_rank, math.inf))
+        measured = order_time(rec)
+        if rec.catalogue_rank is not None and measured is not None:
+            times[rec.catalogue_rank] = min(measured, times.get(rec.catalogue_rank, math.inf))
     return _quality(study, len(ranked), times, top)
+
+
+def order_time(rec: TrialRecord) -> float | None:
+    """The time a trial ranks by when the ranking is checked: a batched trial's (several binaries
+    screened together, regime `batch` > 1) best screen time, which every binary of its batch has
+    from the same short pass, the kept and the screened-out alike; any other trial's own time."""
+    report = rec.regime_report or {}
+    if (report.get("batch") or 0) > 1 and report.get("screen_us"):
+        return min(report["screen_us"].values())
+    return rec.time_us
 
 
 def rerank_quality(study: optuna.Study, space: Space, ranker: str, top: int = 5) -> RankQuality | None:
@@ -384,11 +395,11 @@ def rerank_quality(study: optuna.Study, space: Space, ranker: str, top: int = 5)
                              accumulate=meta.accumulate)
     rank_of = {c.key: c.rank for c in ranking.candidates}
     times: dict[int, float] = {}
-    for t in current_ok(trials, study_gpu(study)):
+    for t in current_ok(trials, study_gpu(study), screened=True):
         rec = TrialRecord.of(t)
-        r = rank_of.get(config_key(rec.family, rec.config))
-        if r is not None and rec.time_us is not None:
-            times[r] = min(rec.time_us, times.get(r, math.inf))
+        r, measured = rank_of.get(config_key(rec.family, rec.config)), order_time(rec)
+        if r is not None and measured is not None:
+            times[r] = min(measured, times.get(r, math.inf))
     return _quality(study, len(ranking.candidates), times, top)
 
 

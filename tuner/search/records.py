@@ -24,6 +24,9 @@ class Status(str, Enum):
 
     PENDING = "pending"              # asked, not yet measured (never stored as final)
     OK = "ok"                        # verified and timed
+    # verified, and a batch's shared screen kept none of its variants (told PRUNED, its best
+    # screen time reported as the intermediate value): slower than the kept ones, not timed in full
+    SCREENED = "screened"
     INVALID = "invalid"              # rejected by the constraints before nvcc (told PRUNED)
     RENDER_ERROR = "render_error"
     COMPILE_ERROR = "compile_error"

@@ -73,14 +73,17 @@ def gpu_model(backend_name: str | None) -> str | None:
     return backend_name[len("gpu:"):].split("#")[0]
 
 
-def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = None) -> list[optuna.trial.FrozenTrial]:
+def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = None,
+               screened: bool = False) -> list[optuna.trial.FrozenTrial]:
     """The verified trials whose time still describes their kernel's code. A resumed study measures
     a config again when the template now renders other code for it (`tune`); the older trial of
     that config keeps its old time, so it must not rank: where the same kernel (family and stored
     config) has trials with different source hashes, only those with the latest one count.
     With `gpu` (a model, `gpu_model`): only the trials measured on that model, where there are any.
     Picks do not carry between cards (an H100 study's best ran 5% behind on an H200, and an H200
-    study's 8% behind on an H100: docs/decisions), so times from two models must not be ranked together."""
+    study's 8% behind on an H100: docs/decisions), so times from two models must not be ranked together.
+    screened: the verified trials a batch's screen left behind (Status.SCREENED) count too (their
+    screen times rank them; never their value, which they have none of)."""
     finished = []
     for t in trials:
         if t.state.is_finished() and holds_kernel(t):
@@ -91,8 +94,9 @@ def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = Non
         when = t.datetime_complete or t.datetime_start
         if rec.source_hash and when and (key not in latest or when > latest[key][0]):
             latest[key] = (when, rec.source_hash)
-    ok = [t for t, rec, key in finished if t.state == optuna.trial.TrialState.COMPLETE
-          and rec.status == Status.OK
+    ok = [t for t, rec, key in finished
+          if ((t.state == optuna.trial.TrialState.COMPLETE and rec.status == Status.OK)
+              or (screened and rec.status == Status.SCREENED))
           and (not rec.source_hash or key not in latest or latest[key][1] == rec.source_hash)]
     here = [t for t in ok if gpu and gpu_model(TrialRecord.of(t).gpu) == gpu]
     return here or ok
@@ -174,14 +178,15 @@ def study_stats(study: optuna.Study) -> dict[str, Any]:
     cold = [r.compile_s for r in measured if r.compile_s and not r.cached]
     failures: dict[str, int] = {}
     for r in measured:
-        if r.status != Status.OK:
+        if r.status not in (Status.OK, Status.SCREENED):
             kind = r.kind or str(r.status)
             failures[kind] = failures.get(kind, 0) + 1
     cublas = [r.cublas_us for r in measured if r.cublas_us]
     trials = study.get_trials(deepcopy=False)
     count = lambda status: sum(1 for r in rows if r.status == status)  # noqa: E731
     return {
-        "trials": len(measured), "ok": count(Status.OK), "invalid_rejected": count(Status.INVALID),
+        "trials": len(measured), "ok": count(Status.OK), "screened": count(Status.SCREENED),
+        "invalid_rejected": count(Status.INVALID),
         "duplicates": count(Status.DUPLICATE), "surplus": count(Status.SURPLUS),
         "not_recorded": count(Status.NOT_RECORDED), "failures": failures,
         "compile_s_cold_median": statistics.median(cold) if cold else None,

@@ -26,6 +26,13 @@ def tell(study: optuna.Study, trial: optuna.Trial, rec: TrialRecord) -> bool:
             # PRUNED, not FAIL: TPE ignores failed trials but ranks pruned ones among the
             # bad, so it learns the shape of the constraints instead of re-proposing them.
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        elif rec.status == Status.SCREENED:
+            # PRUNED with its screen time as the intermediate value: TPE ranks pruned trials by
+            # their last reported value, so a near miss counts as nearer than a far one.
+            screen = (rec.regime_report or {}).get("screen_us") or {}
+            if screen:
+                trial.report(min(screen.values()), step=0)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
         told = True

@@ -2,6 +2,7 @@
 
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -268,3 +269,19 @@ def test_compile_pool_runs_one_job_for_one_source_in_flight(tmp_path, monkeypatc
         assert sorted(calls) == [("src", "sm_80"), ("src", "sm_90a"), ("src", "sm_90a")]
     finally:
         pool.close()
+
+
+def test_render_memo_follows_the_template_bytes(tmp_path):
+    """A repeated render comes from the memo, but an edited template is rendered afresh."""
+    import shutil
+
+    from tuner.space import load_space
+
+    space = load_space(Path(__file__).parent.parent / "space.yaml")
+    fam = space.family("wmma")
+    shutil.copy(fam.templates_dir / fam.template, tmp_path / fam.template)
+    cfg = fam.defaults()
+    first = render(fam, cfg, "sm_90a", templates_dir=tmp_path)
+    assert render(fam, cfg, "sm_90a", templates_dir=tmp_path) == first
+    (tmp_path / fam.template).write_text((tmp_path / fam.template).read_text() + "\n// edited\n")
+    assert render(fam, cfg, "sm_90a", templates_dir=tmp_path) == first + "\n// edited\n"

@@ -236,3 +236,17 @@ def test_basic_split_k_is_deterministic_and_fits_one_wave(space, h200):
     assert any("stream-K scheduler" in w for w in fam.violations(pingpong | {"DECOMP": "split_4"}, shape, h200))
     streamk = fam.complete({"TILE_N": 64, "SCHEDULER": "streamk", "STAGES": 8, "CLUSTER_M": 1})
     assert fam.violations(streamk | {"DECOMP": "split_4", "REDUCTION": "nondeterministic"}, shape, h200) == []
+
+
+def test_expression_memo_keeps_values_apart_by_value_and_type():
+    """Expr.eval memoizes on the values it reads: a new value, or the same value of another type
+    (1.0 is not 1), is computed afresh, and a missing name is still an error."""
+    from tuner.errors import UserError
+    from tuner.space.expr import Expr
+
+    e = Expr("A + B")
+    assert e.eval({"A": 1, "B": 2}) == 3 and e.eval({"A": 1, "B": 3, "unused": 9}) == 4
+    one = Expr("A")
+    assert type(one.eval({"A": 1.0})) is float and type(one.eval({"A": 1})) is int
+    with pytest.raises(UserError, match="KeyError"):
+        e.eval({"A": 1})

@@ -56,10 +56,11 @@ from tuner.search.rank import (
 )
 from tuner.search.records import StudyMeta, confirm_record, mark_sweep_done, sweep_done_trials
 from tuner.search.sampler import NearPick, nearest_picks
-from tuner.search.studies import best_trial
+from tuner.search.studies import best_trial, nearest_studies
 from tuner.space import Shape, Space, Target, load_space, parse_shape
 
 DEFAULT_STORAGE = "sqlite:///runs/hgemm.db"
+NEAR_SHAPES = 2  # tuned shapes whose winners a fresh shape tries first and the catalogue ranking credits
 BACKENDS = ("gpu", "replay")
 
 
@@ -311,10 +312,10 @@ def tuned_neighbours(storage: str, shape: Shape, families: list[str], top: int =
     """The `top` best configs per family of the nearest tuned shapes in the storage, with their
     shape, distance and place (none when it holds nothing yet)."""
     try:
-        studies = load_studies(storage)
+        studies = nearest_studies(storage, shape, NEAR_SHAPES)
     except UserError:
         return []
-    return nearest_picks(studies, shape, families, top=top)
+    return nearest_picks(studies, shape, families, k=NEAR_SHAPES, top=top)
 
 
 def confirm(storage: str, study: str, opts: Options, listener: Listener | None = None) -> dict[str, Any] | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from tuner.errors import UserError
 from tuner.space import Family
 
 ENTRY = "hgemm"
+RENDER_MEMO = 512  # rendered sources of our own templates kept (LRU), by template bytes and variables
+_RENDERED: OrderedDict[tuple[str, str, str], str] = OrderedDict()
 
 
 class RenderError(UserError):
@@ -62,17 +66,34 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
         if probe:
             raise UserError(f"family {family.name}: probe variables are for our own templates only")
         return _render_isolated(family, config, templates_dir or family.templates_dir, arch, accumulate)
+    folder = templates_dir or family.templates_dir
+    variables = template_vars(family, config, arch, accumulate) | (probe or {})
     try:
-        template = make_env(templates_dir or family.templates_dir).get_template(family.template)
+        # A sweep renders the same catalogue configs at every shape (~30 ms each): the source is a
+        # function of the template's bytes and the variables alone (our templates include no other).
+        key = (str(folder / family.template), hashlib.sha256((folder / family.template).read_bytes()).hexdigest(),
+               json.dumps(variables, sort_keys=True, default=repr))
+    except OSError:
+        key = None  # get_template below reports the missing file
+    if key is not None and key in _RENDERED:
+        _RENDERED.move_to_end(key)
+        return _RENDERED[key]
+    try:
+        template = make_env(folder).get_template(family.template)
     except jinja2.TemplateError as exc:  # missing file, syntax error: no config renders
         where = f"{family.template}:{getattr(exc, 'lineno', '?')}"
         raise UserError(f"template {where} does not render: {type(exc).__name__}: {exc}") from None
     try:
-        return template.render(**template_vars(family, config, arch, accumulate), **(probe or {}))
+        source = template.render(**variables)
     except Exception as exc:  # noqa: BLE001 - Jinja errors, and Python ones raised inside it (`{{ 1 // X }}`, X=0)
         where = f"{family.template}:{getattr(exc, 'lineno', None) or '?'}"
         raise RenderError(f"template {where} does not render with {_knob_list(family, config)}: "
                           f"{type(exc).__name__}: {exc}") from None
+    if key is not None:
+        _RENDERED[key] = source
+        if len(_RENDERED) > RENDER_MEMO:
+            _RENDERED.popitem(last=False)
+    return source
 
 
 def _render_isolated(family: Family, config: dict[str, Any], templates_dir: Path, arch: str, accumulate: str) -> str:

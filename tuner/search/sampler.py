@@ -5,7 +5,6 @@ then its compile-time knobs), seeds and nearby shapes' winners are enqueued firs
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -210,9 +209,7 @@ def nearest_picks(studies: list[optuna.Study], shape: Shape, families: list[str]
             continue
         if meta.shape == str(shape):
             continue
-        o = parse_shape(meta.shape)
-        dist = sum(abs(math.log2(a / b)) for a, b in ((o.M, shape.M), (o.N, shape.N), (o.K, shape.K)))
-        scored.append((dist, st))
+        scored.append((parse_shape(meta.shape).distance(shape), st))
     picks: list[NearPick] = []
     for dist, st in sorted(scored, key=lambda x: x[0])[:k]:
         meta_shape = StudyMeta.of(st).shape

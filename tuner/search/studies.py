@@ -27,6 +27,7 @@ from tuner.search.records import (
     trial_owner,
 )
 from tuner.search.storage import open_storage
+from tuner.space import Shape, parse_shape
 
 
 def open_study(name: str, storage, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
@@ -63,6 +64,30 @@ def load_studies(storage: str, names: list[str] | None = None, read_only: bool =
     if missing:
         raise UserError(f"storage {storage} has no study {missing[0]!r}; studies: {', '.join(available) or 'none'}")
     return [optuna.load_study(study_name=n, storage=backing) for n in chosen]
+
+
+def nearest_studies(storage: str, shape: Shape, k: int) -> list[optuna.Study]:
+    """The `k` studies of other shapes nearest to `shape` (Shape.distance), in the order
+    `sampler.nearest_picks` would rank them, found from the study summaries: one read of the
+    storage's study attributes (no trials) instead of a load per study (a sweep asks this for every shape,
+    and a grid storage holds a thousand studies). A missing storage is a UserError."""
+    backing = open_storage(storage, create=False)
+    try:
+        # the storage's own list: names and attributes, no trials (get_all_study_summaries reads every trial)
+        summaries = backing.get_all_studies()
+    except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors
+        raise UserError(f"cannot open storage {storage!r}: {type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0]}") from None
+    scored = []
+    for s in summaries:
+        text = s.user_attrs.get("shape")
+        if not isinstance(text, str) or text == str(shape):
+            continue  # not a study of ours, or this shape's own
+        try:
+            scored.append((parse_shape(text).distance(shape), s.study_name))
+        except UserError:
+            continue
+    return [optuna.load_study(study_name=n, storage=backing) for _, n in sorted(scored, key=lambda x: x[0])[:k]]
 
 
 def gpu_model(backend_name: str | None) -> str | None:

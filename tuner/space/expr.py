@@ -110,6 +110,10 @@ def _depth(tree: ast.AST) -> int:
     return deepest
 
 
+_MISSING = object()
+MEMO_ENTRIES = 1 << 16  # per expression; cleared when full
+
+
 class Expr:
     """A parsed, checked expression; `eval(env)` computes it."""
 
@@ -131,6 +135,8 @@ class Expr:
             raise ValueError(f"expression {_show(self.text)} is nested over {MAX_DEPTH} deep")
         self.names: set[str] = set()
         self._check(self.tree)
+        self._order = tuple(sorted(self.names))
+        self._memo: dict[tuple, Any] = {}
 
     def _check(self, node: ast.AST) -> None:
         if isinstance(node, ast.Name):
@@ -168,6 +174,24 @@ class Expr:
             raise ValueError(f"{type(node).__name__} not allowed in expression {_show(self.text)}")
 
     def eval(self, env: dict[str, Any]) -> Any:
+        """The value at `env`. Memoized on the values (and their types: True is not 1 here) of
+        the names the expression reads: a catalogue ranking checks every constraint at every
+        run-time variant of every config, and most constraints read compile-time knobs only."""
+        key = tuple((type(v), v) for v in (env.get(n, _MISSING) for n in self._order))
+        try:
+            return self._memo[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value: evaluate without the memo
+            return self._evaluate(env)
+        value = self._evaluate(env)
+        if _MISSING not in (v for _, v in key):
+            if len(self._memo) >= MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[key] = value
+        return value
+
+    def _evaluate(self, env: dict[str, Any]) -> Any:
         try:
             return _checked(self._eval(self.tree, env))
         except (ArithmeticError, TypeError, KeyError, ValueError, RecursionError, MemoryError) as exc:

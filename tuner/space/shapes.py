@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -35,6 +36,10 @@ class Shape:
 
     def tflops(self, time_us: float) -> float:
         return self.flops / (time_us * 1e-6) / 1e12
+
+    def distance(self, other: Shape) -> float:
+        """How far apart two shapes are for carrying a tuned config over: sum of |log2| ratios of M, N, K."""
+        return sum(abs(math.log2(a / b)) for a, b in ((self.M, other.M), (self.N, other.N), (self.K, other.K)))
 
 
 def parse_shape(text: str) -> Shape:

@@ -43,7 +43,9 @@ for step in "$@"; do
     small)  # a shape set (issue 35: small3; SET=large for issue 37's): tune from the catalogue, bench both
       # regimes, then ncu over one isolated bench per shape (NCU_SHAPES of them, NCU_SECTIONS)
       S=${SET:-small}
-      timeout "$(cap ${SMALL_TIMEOUT:-200})" python3 -m tuner.cli sweep space.yaml --shapes "${SMALL_SHAPES:-small3}" \
+      # --budget stops the sweep between shapes and still writes its export; the timeout is the backstop
+      t=$(cap ${SMALL_TIMEOUT:-200})
+      timeout "$t" python3 -m tuner.cli sweep space.yaml --shapes "${SMALL_SHAPES:-small3}" --budget $((t > 40 ? t - 25 : t)) \
         --families "${SMALL_FAMILIES:-cute_sm90}" --trials-per-shape "${SMALL_TRIALS:-24}" --patience 0 --confirm 0 \
         ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/$S.db -o runs/$S.json 2>&1 \
         | tee "$OUT/${S}_sweep.log" | tail -12; cp runs/$S.json runs/$S.db "$OUT/"

@@ -14,6 +14,7 @@ from tuner.api.results import (
     bench,
     bench_model,
     catalogue_build,
+    catalogue_curve,
     catalogue_jobs,
     check_entries,
     check_package,
@@ -48,7 +49,8 @@ from tuner.api.tuning import (
 
 __all__ = [
     "BACKENDS", "DEFAULT_STORAGE", "Build", "Listener", "Options", "SweepResult", "TuneResult", "bench",
-    "bench_model", "check_package", "catalogue_build", "catalogue_jobs", "check_entries", "check_family_names",
+    "bench_model", "check_package", "catalogue_build", "catalogue_curve", "catalogue_jobs", "check_entries",
+    "check_family_names",
     "confirm", "confirm_best", "export",
     "families_for", "join_study", "make_backend", "measuring", "nearest_tuned", "package", "prebuild", "rank_check",
     "rank_compare",

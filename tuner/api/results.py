@@ -3,6 +3,7 @@ on a machine without a GPU (`prebuild`)."""
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -155,10 +156,46 @@ def bench_model(package_dir: Path, layers: int = 2, prefill: tuple[int, ...] = (
     return run_bench(package_dir, layers, prefill, decode, repeats, graphs, on_row=on_row)
 
 
-def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts: Options) -> list:
+def catalogue_curve(storage: str, studies: list[str] | None, tolerance: float, out: Path | None = None,
+                    size: int | None = None):
+    """The catalogue-size curve of a storage's studies (tuner.results.curve): (Measured, Curve, files
+    written). With `out`: curve.json, curve.csv, the kernel list of the distilled set (or of the
+    first `size` kernels) for `catalogue build --kernels`, and curve.png where matplotlib is."""
+    from tuner.results.curve import greedy_curve, kernel_list, measured
+    from tuner.search.studies import load_studies
+
+    m = measured(load_studies(storage, studies, read_only=True))
+    curve = greedy_curve(m, tolerance)
+    if size is not None and not 0 <= size <= len(curve.points) - 1:
+        raise UserError(f"--size {size}: the curve has sets of 0 to {len(curve.points) - 1} kernels")
+    files: list[Path] = []
+    if out is not None:
+        check_output(out / "curve.json")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "curve.json").write_text(json.dumps(curve.to_dict(), indent=1))
+        with (out / "curve.csv").open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["size", "geomean_vs_cublas", "geomean_of_best", "within", "shapes", "added"])
+            w.writerows([p.size, f"{p.geomean_vs_cublas:.5f}", f"{p.geomean_of_best:.5f}", p.within, curve.shapes,
+                         p.added] for p in curve.points)
+        files += [out / "curve.json", out / "curve.csv"]
+        if size is not None or curve.keep is not None:
+            (out / "kernels.json").write_text(json.dumps(kernel_list(m, curve, size), indent=1))
+            files.append(out / "kernels.json")
+        try:
+            from tuner.results.report import plot_curve
+            files.append(plot_curve(curve, out / "curve.png"))
+        except ImportError:
+            pass  # no matplotlib: the table and the CSV say it all
+    return m, curve, files
+
+
+def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts: Options,
+                   kernels_file: Path | None = None) -> list:
     """The configs a catalogue is asked to hold, each with why (tuner.build.catalogue.Job): every
-    entry of an export for `arch`, the seeds a fresh study of each shape tries first, and, when
-    neither is given, each family's default config and its seeds that hold for any shape."""
+    entry of an export for `arch`, every kernel of a kernel list (`catalogue curve`), the seeds a
+    fresh study of each shape tries first, and, when none is given, each family's default config
+    and its seeds that hold for any shape."""
     from tuner.build.catalogue import Job
     from tuner.results.entries import entry_build
     from tuner.search.sampler import full_config, seed_configs
@@ -174,6 +211,23 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
             b = entry_build(space, e, target)
             jobs.append(Job(b.family, space.family(b.family).compile_config(b.config), e.get("accumulate", "fp32"),
                             b.source, b.artifact, f"export {export_file.name}: {e['shape']}"))
+    if kernels_file is not None:
+        from tuner.results.curve import read_kernel_list
+
+        try:
+            text = kernels_file.read_text()
+        except OSError as exc:
+            raise UserError(f"--kernels {kernels_file}: cannot be read: {exc.strerror or exc}") from None
+        for i, k in enumerate(read_kernel_list(text, str(kernels_file))):
+            try:
+                fam = space.family(k["family"])
+                full = full_config(fam, fam.complete(k["config"]))
+            except UserError as exc:
+                raise UserError(f"{kernels_file}: kernels/{i}: {exc}") from None
+            if named is not None and fam.name not in named:
+                continue
+            jobs.append(Job(fam.name, fam.compile_config(full), k["accumulate"],
+                            render(fam, full, arch, accumulate=k["accumulate"]), fam.artifact, k["why"]))
     fams = [space.family(f) for f in families_for(space, opts.families, target, None, opts.accumulate)]
 
     def add(fam, cfg: dict, shape, reason: str) -> None:
@@ -188,7 +242,7 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
         for fam in fams:
             for cfg in seed_configs(fam, shape):
                 add(fam, cfg, shape, f"seed of {shape}")
-    if export_file is None and not shapes:
+    if export_file is None and not shapes and kernels_file is None:
         big = parse_shape("4096x4096x4096")  # resource limits only: these serve every shape
         for fam in fams:
             add(fam, fam.compile_config(fam.defaults()), big, "family default")
@@ -199,7 +253,8 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
 
 
 def catalogue_build(output: Path, export_file: Path | None, shapes: list[str], arch: str, opts: Options, *,
-                    update: Path | None = None, cache_dir: Path | None = None, on_done=None):
+                    update: Path | None = None, cache_dir: Path | None = None, on_done=None,
+                    kernels_file: Path | None = None):
     """Compile, without a GPU, the chosen configs (`catalogue_jobs`) into one catalogue file at
     `output` (tuner.build.catalogue). Incremental: the kernels of `update`, or of `output` when
     it exists, are kept and not built again. Returns a tuner.build.catalogue.BuildSummary."""
@@ -208,9 +263,10 @@ def catalogue_build(output: Path, export_file: Path | None, shapes: list[str], a
 
     nvcc_path(), cutlass_include()  # missing toolchain: one clear error before anything is rendered
     space = load_space(opts.space_file)
-    jobs = catalogue_jobs(export_file, shapes, arch, opts)
+    jobs = catalogue_jobs(export_file, shapes, arch, opts, kernels_file)
     if not jobs:
-        raise UserError("no config to build: the export has no entry for this arch and no seed is valid")
+        raise UserError("no config to build: the export has no entry for this arch, the kernel list none of these "
+                        "families, and no seed is valid")
     previous_path = update if update is not None else (output if output.exists() else None)
     previous = read_catalogue(previous_path) if previous_path is not None else None
     pool = CompilePool(opts.jobs, cache_dir=cache_dir or DEFAULT_CACHE)

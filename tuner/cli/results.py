@@ -357,6 +357,9 @@ def catalogue_build(
     seeds_for: Annotated[str | None, typer.Option(
         "--seeds-for", help="Comma list of MxNxK: the configs a fresh study of each shape tries first (its seeds).")
                          ] = None,
+    kernels: Annotated[Path | None, typer.Option(
+        "--kernels", metavar="KERNELS_JSON", help="Build the kernels of this kernel list (`catalogue curve` writes "
+                                                  "one: the distilled set).")] = None,
     families: o.Families = None,
     arch: o.Arch = "sm_90a",
     output: o.CatalogueOut = Path("runs/catalogue-sm_90a.zip"),
@@ -367,9 +370,9 @@ def catalogue_build(
 ) -> None:
     """Compile kernels into one catalogue file on a machine without a GPU.
 
-    Which configs: an export's kernels (--from), the seeds of shapes (--seeds-for), or, with
-    neither, each family's default config and its space.yaml seeds for any shape (--families
-    picks the families). Incremental: kernels already in --update (or in --output when it
+    Which configs: an export's kernels (--from), a kernel list's (--kernels), the seeds of shapes
+    (--seeds-for), or, with none of them, each family's default config and its space.yaml seeds
+    for any shape (--families picks the families). Incremental: kernels already in --update (or in --output when it
     exists) are kept and not built again. The manifest records each kernel's family, knobs,
     template and source hashes, binary sha256, registers and spills, why it is there, and the
     toolchain (nvcc, CUTLASS, arch); its digest names the content.
@@ -379,7 +382,7 @@ def catalogue_build(
     opts = api.Options(space_file=space_file, families=families, jobs=jobs, accumulate=accumulate)
     with progress_bar() as bar:
         task = bar.add_task("nvcc", total=None, status="")
-        res = api.catalogue_build(output, export_file, shapes, arch, opts, update=update,
+        res = api.catalogue_build(output, export_file, shapes, arch, opts, update=update, kernels_file=kernels,
                                   on_done=lambda done, total: bar.update(task, total=total, completed=done))
     _catalogue_table(res.catalogue)
     for job, error in res.failed:
@@ -392,6 +395,56 @@ def catalogue_build(
                   f"{res.reused}, failed {len(res.failed)}")
     if res.failed:
         raise typer.Exit(1)
+
+
+@catalogue_app.command("curve")
+def catalogue_curve(
+    storage: Annotated[str, typer.Argument(metavar="STORAGE", help="Optuna storage URL of the studies (e.g. a sweep's "
+                                                                   "sqlite:///runs/grid.db).")],
+    study: Annotated[list[str] | None, typer.Option("--study", help="Only these studies (repeat the option); "
+                                                                    "default: all, of one GPU model.")] = None,
+    tolerance: Annotated[float, typer.Option(help="A shape counts as kept when the set reaches its best within "
+                                                  "this fraction.")] = 0.01,
+    size: Annotated[int | None, typer.Option(help="Write the first N kernels of the curve as the kernel list "
+                                                  "(default: the smallest set that keeps every shape).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for curve.json, curve.csv, kernels.json "
+                                                           "and curve.png.")] = None,
+    space_file: o.SpaceFile = None,
+) -> None:
+    """How many kernels a catalogue needs: from the studies' fully timed kernels, add them greedily
+    by the geomean they lift, and show at each size what an export reaches against cuBLAS (our best
+    of the set, or cuBLAS where faster) and how many shapes stay within --tolerance of their best.
+    A kernel a batch's screen left behind counts as not timed at that shape, so each size's figure
+    is a lower bound. The smallest set that keeps every shape goes to kernels.json, for
+    `catalogue build --kernels`.
+
+    Example: [bold]hgemm-tune catalogue curve sqlite:///runs/grid.db --out runs/curve[/]"""
+    from tuner.space import load_space
+
+    space = load_space(space_file)
+    m, curve, files = api.catalogue_curve(storage, study, tolerance, out, size)
+    table = Table("kernels", "geomean vs cuBLAS", "of best", f"shapes within {tolerance:.0%}", "added",
+                  title=f"catalogue curve: {curve.shapes} shapes, {curve.kernels} kernels timed in full"
+                        + (f" on {curve.gpu}" if curve.gpu else "  [SIMULATED]"))
+    for p in curve.points:
+        fam, config = (m.kernels[p.added][0], m.kernels[p.added][1]) if p.added else ("", {})
+        label = "(cuBLAS alone)" if not p.added else f"{fam} " + _changed_knobs(space, fam, config)
+        table.add_row(str(p.size), f"{p.geomean_vs_cublas:.4f}x", f"{p.geomean_of_best:.4f}",
+                      f"{p.within}/{curve.shapes}", escape(label))
+    out_console.print(table)
+    keep = (f"{curve.keep} kernels keep every shape within {tolerance:.0%} of its best" if curve.keep is not None
+            else f"no set keeps every shape within {tolerance:.0%}")
+    console.print(f"{keep}; all {len(curve.points) - 1} useful kernels: {curve.full_geomean_vs_cublas:.4f}x cuBLAS"
+                  + (f"; wrote {', '.join(str(f) for f in files)}" if files else ""))
+
+
+def _changed_knobs(space, family: str, config: dict) -> str:
+    """The knobs of a config that differ from its family's defaults (the whole config if the family is gone)."""
+    try:
+        defaults = space.family(family).defaults()
+    except UserError:
+        defaults = {}
+    return ",".join(f"{k}={v}" for k, v in config.items() if defaults.get(k) != v) or "defaults"
 
 
 @catalogue_app.command("show")

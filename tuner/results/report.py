@@ -248,3 +248,31 @@ def _save(fig, path: Path) -> Path:
     finally:
         plt.close(fig)
     return path
+
+
+def plot_curve(curve, path: Path) -> Path:
+    """The catalogue-size curve (tuner.results.curve.Curve): geomean against cuBLAS an export reaches,
+    and shapes within the tolerance of their best, against the number of kernels. ImportError
+    without matplotlib (the caller writes the table and the CSV only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [p.size for p in curve.points]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.plot(sizes, [p.geomean_vs_cublas for p in curve.points], marker="o", label="geomean vs cuBLAS (export)")
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xlabel("kernels in the catalogue (greedy order)")
+    ax.set_ylabel("geomean speedup vs cuBLAS")
+    share = ax.twinx()
+    share.plot(sizes, [p.within / curve.shapes for p in curve.points], color="tab:orange", marker="s",
+               label=f"shapes within {curve.tolerance:.0%} of their best")
+    share.set_ylabel("share of shapes")
+    share.set_ylim(0, 1.05)
+    if curve.keep is not None:
+        ax.axvline(curve.keep, color="tab:green", lw=1, ls=":")
+    lines = ax.get_legend_handles_labels()[0] + share.get_legend_handles_labels()[0]
+    ax.legend(lines, [str(h.get_label()) for h in lines], fontsize=8, loc="lower right")
+    ax.set_title(f"{curve.gpu or 'replayed'}: {curve.shapes} shapes, {curve.kernels} kernels timed in full")
+    return _save(fig, path)

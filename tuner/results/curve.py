@@ -1,0 +1,167 @@
+"""The catalogue-size curve: how good a sweep's results stay with only k of the kernels it measured.
+
+From the studies of a storage (one GPU model), every shape's steady time of every kernel it
+timed in full, and its cuBLAS time from the same sections. A greedy pass adds, one at a time,
+the kernel that lifts the geomean most; at each size it reports what an export would reach
+(our best kernel of the set, or cuBLAS where that is faster) and how many shapes stay within a
+tolerance of their best. The smallest set that keeps every shape within the tolerance is the
+distilled catalogue (`catalogue build --kernels`).
+
+Only full (steady) times count: a kernel a batch's screen left behind (0040) was timed in the
+screen's short pass alone, so it counts as not measured at that shape. The curve is therefore a
+lower bound on what a set of k kernels reaches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import optuna
+
+from tuner.errors import UserError
+from tuner.measure import config_key
+from tuner.search.records import StudyMeta, TrialRecord
+from tuner.search.studies import current_ok, gpu_model, study_gpu
+
+KERNEL_LIST_KIND = "hgemm-tune kernel list"
+
+
+@dataclass
+class Measured:
+    """The times a storage holds: shape -> kernel key -> best steady us, and each shape's cuBLAS us."""
+
+    gpu: str | None
+    times: dict[str, dict[str, float]] = field(default_factory=dict)
+    cublas: dict[str, float] = field(default_factory=dict)
+    kernels: dict[str, tuple[str, dict[str, Any], str]] = field(default_factory=dict)  # key -> family, config, acc
+
+
+@dataclass
+class CurvePoint:
+    size: int                  # kernels in the set
+    added: str                 # the kernel this step added (key)
+    geomean_vs_cublas: float   # what an export reaches: our best of the set, or cuBLAS where faster
+    geomean_of_best: float     # geomean over shapes of (best reachable with all kernels) / (with this set)
+    within: int                # shapes within the tolerance of their best
+
+
+@dataclass
+class Curve:
+    gpu: str | None
+    shapes: int
+    kernels: int
+    tolerance: float
+    full_geomean_vs_cublas: float
+    points: list[CurvePoint]
+    keep: int | None           # the smallest size with every shape within the tolerance (None: never)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measured(studies: list[optuna.Study]) -> Measured:
+    """Every shape's steady times per kernel (family + compile config + accumulation) and its median
+    cuBLAS time, from the studies' current verified trials. Studies of several GPU models cannot
+    share a curve (picks do not carry between cards, 0010): a UserError names them."""
+    models = {m for st in studies for m in [study_gpu(st)] if m}
+    if len(models) > 1:
+        raise UserError(f"the studies ran on {len(models)} GPU models ({', '.join(sorted(models))}): a catalogue "
+                        "curve needs the studies of one model (pass their names)")
+    out = Measured(gpu=next(iter(models), None))
+    for st in studies:
+        try:
+            meta = StudyMeta.of(st)
+        except UserError:
+            continue  # not a study of ours
+        shape = meta.shape
+        cublas: list[float] = []
+        for t in current_ok(st.get_trials(deepcopy=False), study_gpu(st)):
+            rec = TrialRecord.of(t)
+            if rec.time_us is None or gpu_model(rec.gpu) != out.gpu:
+                continue
+            key = config_key(rec.family, rec.config) + ("" if meta.accumulate == "fp32" else f":{meta.accumulate}")
+            out.kernels.setdefault(key, (rec.family, dict(rec.config), meta.accumulate))
+            row = out.times.setdefault(shape, {})
+            row[key] = min(rec.time_us, row.get(key, math.inf))
+            if rec.cublas_us:
+                cublas.append(rec.cublas_us)
+        if cublas and shape in out.times:
+            out.cublas[shape] = statistics.median(cublas)
+        else:
+            out.times.pop(shape, None)  # no vendor time to compare with: left out
+    return out
+
+
+def greedy_curve(m: Measured, tolerance: float = 0.01) -> Curve:
+    """Add kernels greedily by the geomean they lift (ties: the key's order), until none helps."""
+    if not 0 <= tolerance < 1:
+        raise UserError(f"--tolerance {tolerance}: must be at least 0 and below 1 (0.01: within 1%)")
+    shapes = sorted(m.times)
+    if not shapes:
+        raise UserError("no shape with a verified, fully timed kernel and a cuBLAS time in these studies")
+    # What an export reaches with every kernel: its best, or cuBLAS where that is faster.
+    full = {s: min(min(m.times[s].values()), m.cublas[s]) for s in shapes}
+    reach = {s: m.cublas[s] for s in shapes}  # the empty set: cuBLAS everywhere
+
+    def log_quality(r: dict[str, float]) -> float:
+        return sum(math.log(full[s] / r[s]) for s in shapes)
+
+    def point(size: int, added: str) -> CurvePoint:
+        n = len(shapes)
+        return CurvePoint(size, added,
+                          math.exp(sum(math.log(m.cublas[s] / reach[s]) for s in shapes) / n),
+                          math.exp(log_quality(reach) / n),
+                          sum(1 for s in shapes if reach[s] <= full[s] * (1 + tolerance)))
+
+    points: list[CurvePoint] = [point(0, "")]
+    left = sorted(m.kernels)
+    while left:
+        def gain(k: str) -> float:
+            return sum(math.log(reach[s] / min(reach[s], m.times[s].get(k, math.inf))) for s in shapes)
+        best = max(left, key=lambda k: (gain(k), -left.index(k)))
+        if gain(best) <= 0:
+            break  # every kernel left is nowhere faster than what the set reaches
+        left.remove(best)
+        for s in shapes:
+            reach[s] = min(reach[s], m.times[s].get(best, math.inf))
+        points.append(point(len(points), best))
+    keep = next((p.size for p in points if p.within == len(shapes)), None)
+    return Curve(m.gpu, len(shapes), len(m.kernels), tolerance, points[-1].geomean_vs_cublas, points, keep)
+
+
+def kernel_list(m: Measured, curve: Curve, size: int | None = None) -> dict[str, Any]:
+    """The first `size` kernels of the curve (default: the distilled set, `curve.keep`) as a kernel
+    list for `catalogue build --kernels`."""
+    size = curve.keep if size is None else size
+    if size is None:
+        raise UserError("no set of these kernels keeps every shape within the tolerance: pass a size")
+    chosen = [p.added for p in curve.points[1:size + 1]]
+    return {"kind": KERNEL_LIST_KIND, "gpu": curve.gpu, "tolerance": curve.tolerance,
+            "kernels": [{"family": m.kernels[k][0], "config": m.kernels[k][1], "accumulate": m.kernels[k][2],
+                         "why": f"catalogue curve: kernel {i} of {len(chosen)}"}
+                        for i, k in enumerate(chosen, 1)]}
+
+
+def read_kernel_list(text: str, where: str) -> list[dict[str, Any]]:
+    """A kernel list's entries (family, config, accumulate, why), shape-checked; an untrusted file:
+    every problem is a one-line UserError naming the entry."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("kind") != KERNEL_LIST_KIND or not isinstance(data.get("kernels"), list):
+        raise UserError(f"{where}: not a kernel list (a JSON object with \"kind\": \"{KERNEL_LIST_KIND}\" and "
+                        "\"kernels\": [...], as `catalogue curve --kernels-out` writes)")
+    out = []
+    for i, k in enumerate(data["kernels"]):
+        if (not isinstance(k, dict) or not isinstance(k.get("family"), str) or not isinstance(k.get("config"), dict)
+                or k.get("accumulate", "fp32") not in ("fp32", "fp16")):
+            raise UserError(f"{where}: kernels/{i}: needs a family (string), a config (object) and an "
+                            "accumulate of fp32 or fp16")
+        out.append({"family": k["family"], "config": k["config"], "accumulate": k.get("accumulate", "fp32"),
+                    "why": str(k.get("why", ""))[:200] or f"kernel list {where}"})
+    return out

@@ -621,3 +621,61 @@ def test_prebuild_fills_the_cache_without_a_gpu(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tuner.cli", "prebuild"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: prebuild needs an export file, --shapes, or both"
+
+
+def test_bench_buckets_follow_the_cuda_l2_table(result):
+    """Per regime and FLOP bucket: our best per shape against each baseline, and how often cuBLAS
+    stays the pick (A: 2.1e9 FLOPs, B: 4.29e9, one bucket; C did not verify, E did not build)."""
+    by = {(g["mode"], g["bucket"]): g for g in result["buckets"]}
+    assert set(by) == {("sustained", "2.7e+08-4.3e+09"), ("isolated", "2.7e+08-4.3e+09")}
+    sus, iso = by[("sustained", "2.7e+08-4.3e+09")], by[("isolated", "2.7e+08-4.3e+09")]
+    assert sus["shapes"] == 2 and sus["cublas"] == pytest.approx((0.5 * 1.25) ** 0.5) and sus["vendor_keeps"] == 0.5
+    assert iso["cublas"] == pytest.approx((1.5 * 1.25) ** 0.5) and iso["vendor_keeps"] == 0.0
+    assert "## By FLOP bucket" in bm.markdown(result) and "| sustained | 2.7e+08-4.3e+09 | 2 |" in bm.markdown(result)
+
+
+def test_a_long_bench_stops_at_its_deadline_checkpoints_and_resumes():
+    data = make_export([make_entry(A), make_entry(B), make_entry(E)])
+    saved = []
+    first = bm.run_benchmark(data, FakeBackend(REPLIES | {E: REPLIES[A]}), FakeBuilder(), ["offline"],
+                             deadline=0.0, checkpoint=saved.append)
+    assert first["rows"] == [] and first["left"] == 3  # past the deadline before the first shape
+    part = bm.run_benchmark(data, FakeBackend(REPLIES | {E: REPLIES[A]}), FakeBuilder(), ["offline"],
+                            checkpoint=saved.append, checkpoint_s=0.0)
+    assert part["left"] == 0 and saved and saved[-1]["left"] == 1  # a checkpoint before each later shape
+    earlier = {"rows": [r for r in part["rows"] if r["shape"] == E], "notes": {}}
+    backend = FakeBackend(REPLIES)
+    rest = bm.run_benchmark(data, backend, FakeBuilder(), ["offline"], earlier=earlier)
+    assert sorted(c[0] for c in backend.calls) == sorted([A, B])  # E kept, not timed again
+    assert sorted({r["shape"] for r in rest["rows"]}) == sorted([A, B, E]) and rest["left"] == 0
+
+
+def test_bench_resume_refuses_another_bench(tmp_path, monkeypatch):
+    """--resume keeps an unfinished run's shapes of the same export, regimes and repeats; another
+    bench in --out, or a damaged one, is a one-line error before the GPU starts."""
+    from typer.testing import CliRunner
+
+    from tuner.api import results as api_results
+    from tuner.cli.app import app
+
+    backend = FakeBackend(REPLIES)
+    monkeypatch.setattr(api_results, "make_backend", lambda *a: backend)
+    monkeypatch.setattr(bm, "Builder", lambda space, target, pool: FakeBuilder())
+    monkeypatch.setattr(api_results, "nvcc_path", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(api_results, "cutlass_include", lambda: tmp_path)
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(make_export([make_entry(A), make_entry(B)])))
+    out = tmp_path / "out"
+    args = ["bench", str(path), "--out", str(out), "--mode", "sustained", "--space", str(ROOT / "space.yaml")]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    calls = len(backend.calls)
+    res = CliRunner().invoke(app, [*args, "--resume"])
+    assert res.exit_code == 0, res.output
+    assert len(backend.calls) == calls  # both shapes were benched: nothing timed again
+    assert len(json.loads((out / "bench.json").read_text())["rows"]) == 2
+    res = CliRunner().invoke(app, [*args[:5], "both", *args[6:], "--resume"])
+    assert isinstance(res.exception, UserError) and "holds another bench" in str(res.exception)
+    (out / "bench.json").write_text("{")
+    res = CliRunner().invoke(app, [*args, "--resume"])
+    assert isinstance(res.exception, UserError) and "cannot be read as a bench result" in str(res.exception)

@@ -21,12 +21,22 @@ BACKENDS = ("gpu", "replay")
 
 
 def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torch: bool = True, repeats: int = 1,
-          on_start=None, on_shape=None) -> tuple[dict[str, Any], list[Path]]:
+          on_start=None, on_shape=None, resume: bool = False,
+          budget_s: float | None = None) -> tuple[dict[str, Any], list[Path]]:
     """Re-verify and time every exported kernel for this GPU against the vendor libraries,
     `repeats` runs each in a fresh worker; writes bench.csv, bench_geomean.csv, bench.md and
-    bench.json under `out`."""
+    bench.json under `out`, and rewrites them every half minute while it runs. `resume`: keep
+    the shapes an earlier, unfinished run of the same export, GPU model, regimes and repeats
+    wrote to `out/bench.json`; `budget_s`: start no shape after this many seconds (the result
+    says how many are `left`)."""
+    import time
+
     if repeats < 1:
         raise UserError("--repeats must be >= 1")
+    if budget_s is not None and budget_s <= 0:
+        raise UserError(f"--budget {budget_s:g}: must be above 0 seconds")
+    earlier = _earlier_bench(out / "bench.json", export_file, modes, repeats) if resume else None
+    started = time.perf_counter()
     data = read_json(export_file)
     if not data["entries"]:
         raise UserError(f"{export_file}: the export has no entries (no study had a verified kernel)")
@@ -49,12 +59,41 @@ def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torc
         if on_start:
             on_start(be.name, len({e["shape"] for e in chosen}))
         builder = bench_stage.Builder(space, be.target, pool)
-        result = bench_stage.run_benchmark(data, be, builder, modes, torch=torch, repeats=repeats, on_shape=on_shape)
+        if earlier is not None and earlier.get("gpu") != be.target.name:
+            raise UserError(f"--resume: {out / 'bench.json'} was measured on {earlier.get('gpu')}, this GPU is "
+                            f"{be.target.name}: one bench holds one GPU model (use another --out)")
+        result = bench_stage.run_benchmark(
+            data, be, builder, modes, torch=torch, repeats=repeats, on_shape=on_shape, earlier=earlier,
+            deadline=started + budget_s if budget_s else None,
+            checkpoint=lambda partial: bench_stage.write_outputs(partial, out, str(export_file)))
     finally:
         be.close()
         if pool:
             pool.close()
     return result, bench_stage.write_outputs(result, out, str(export_file))
+
+
+def _earlier_bench(path: Path, export_file: Path, modes: list[str], repeats: int) -> dict[str, Any] | None:
+    """An earlier run's bench.json to resume (None: there is none yet); refused, in one line, when
+    it is damaged or measured another export, other regimes or another number of repeats."""
+    from tuner.results.bench import regimes_of
+
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        rows, source = data["rows"], data.get("source")
+        same = (regimes_of(data["modes"]) == regimes_of(modes) and data.get("repeats", 1) == repeats
+                and isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("shape"), str)
+                                                   for r in rows))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--resume: {path} cannot be read as a bench result ({type(exc).__name__}); move it away "
+                        "or bench into another --out") from None
+    if source != str(export_file) or not same:
+        raise UserError(f"--resume: {path} holds another bench (export {source}, regimes "
+                        f"{','.join(data['modes'])}, {data.get('repeats', 1)} repeats): resume with the same export, "
+                        "--mode and --repeats, or bench into another --out")
+    return data
 
 
 def check_entries(export_file: Path, data: dict[str, Any], space) -> None:

@@ -69,8 +69,11 @@ BENCH_HELP = (
     "power-capped, thermal, full clocks or unknown, and the section's energy per GEMM), whether the timing "
     "reached its steady state (after how many rounds) and whether it verified; per contender and regime: "
     "time, TFLOP/s, ratio to cuBLAS, SM clock, power, its own energy per GEMM (sustained, where the energy "
-    "counter resolves it) and steady state; then the geomean speedup per baseline and regime "
-    "(bench.csv, bench_contenders.csv, bench_geomean.csv, bench.md, bench.json under --out). A kernel that "
+    "counter resolves it) and steady state; then the geomean speedup per baseline and regime, and the CUDA-L2 "
+    "paper's table: per regime and FLOP bucket, the geomean over each baseline and the share of shapes where "
+    "cuBLAS stays the pick (bench.csv, bench_contenders.csv, bench_geomean.csv, bench.md, bench.json under "
+    "--out, rewritten every half minute: a grid-sized bench stops at --budget seconds and continues with "
+    "--resume). A kernel that "
     "fails verification is a row saying why, never a win; a baseline that cannot be measured is named in the "
     "notes; entries tuned on another GPU are skipped and listed.\n\n"
     "Example: [bold]hgemm-tune bench runs/sweep.json --mode both --repeats 3 --out runs/bench[/]\n\n"
@@ -93,6 +96,11 @@ def bench(
     jobs: o.Jobs = None,
     torch: Annotated[bool, typer.Option("--torch/--no-torch", help="Also time torch.matmul (when installed).")
                      ] = True,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the shapes an unfinished run of the same export, "
+                                                          "--mode and --repeats wrote to --out, bench the rest.")
+                      ] = False,
+    budget: Annotated[float | None, typer.Option(help="Seconds: start no shape after this; what is left is "
+                                                      "benched by a later --resume.")] = None,
 ) -> None:
     from tuner.results import bench as bm
 
@@ -116,9 +124,10 @@ def bench(
 
     try:
         result, files = api.bench(export_file, modes, opts, out=out, torch=torch, repeats=repeats,
-                                  on_start=on_start, on_shape=on_shape)
+                                  on_start=on_start, on_shape=on_shape, resume=resume, budget_s=budget)
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: nothing written")
+        console.print(f"[yellow]interrupted[/]: the shapes benched up to the last half-minute checkpoint are in "
+                      f"{out}; `--resume` continues")
         raise typer.Exit(130) from None
     finally:
         if bar.live.is_started:
@@ -129,18 +138,25 @@ def bench(
                 *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), *bm.CLOCK_HEAD, "steady", "verified"):
         table.add_column(col, justify="left" if col in ("shape", "regime", "family", "verified", "clock regime",
                                                         "steady") else "right")
-    for r in result["rows"]:
+    shapes = len({r["shape"] for r in result["rows"]})
+    for r in result["rows"] if shapes <= PRINT_SHAPES else []:
         verified = "yes" if r["status"] == "ok" else f"[red]{r['status']}[/]: {escape(str(r['reason']))}"
         table.add_row(r["shape"], r["mode"], r["family"], fmt(r["ours_us"], ".2f"), fmt(r["ours_tflops"], ".1f"),
                       fmt(r["cublas_us"], ".2f"), *(bm._speedup_cell(r, b) for b in bm.BASELINES),
                       *(escape(c) for c in bm.clock_texts(r)), escape(bm.steady_cell(r)), verified)
-    out_console.print(table)
-    out_console.print(contender_table(result["contenders"], runs))
+    if shapes <= PRINT_SHAPES:
+        out_console.print(table)
+        out_console.print(contender_table(result["contenders"], runs))
+    else:
+        console.print(f"{shapes} shapes: the tables per shape and per contender are in {out / 'bench.md'}")
     geo = Table("baseline", *modes, title="geomean speedup (baseline us / ours us)")
     by = {(g["mode"], g["baseline"]): g for g in result["geomeans"]}
     for b in bm.BASELINES:
         geo.add_row(bm.LABELS[b], *(bm.geomean_text(by[(m, b)]) for m in modes))
     out_console.print(geo)
+    out_console.print(bucket_table(result.get("buckets") or [], modes))
+    if result.get("left"):
+        console.print(f"[yellow]{result['left']} shape(s) left[/] (--budget): run the same command with --resume")
     for s in result["skipped"]:
         console.print(f"[yellow]skipped[/] {s['shape']} {s['family']}: {escape(s['reason'])}")
     unmeasured = sorted({f"{bm.LABELS[b]} ({v})" for n in result["notes"].values() for b, v in n.items()
@@ -151,6 +167,22 @@ def bench(
     if any(r["status"] != "ok" for r in result["rows"]):
         console.print("[red]some kernels did not verify or were not timed[/] (see the verified column)")
         raise typer.Exit(1)
+
+
+PRINT_SHAPES = 40  # more shapes than this (a grid): the per-shape tables go to bench.md only
+
+
+def bucket_table(buckets: list[dict], modes: list[str]) -> Table:
+    """The CUDA-L2 paper's table: per regime and FLOP bucket, geomean speedup of our best kernel per
+    shape over each baseline, and the share of shapes where cuBLAS stays the pick."""
+    from tuner.results import bench as bm
+
+    table = Table("regime", "FLOPs", "shapes", *(f"vs {bm.LABELS[b]}" for b in bm.BASELINES), "cuBLAS stays the pick",
+                  title="by FLOP bucket (our best kernel per shape; vendor fallback not counted)")
+    for g in buckets:
+        table.add_row(g["mode"], g["bucket"], str(g["shapes"]), *(fmt(g[b], ".3f") for b in bm.BASELINES),
+                      f"{100 * g['vendor_keeps']:.0f}%")
+    return table
 
 
 def contender_table(contenders: list[dict], runs: str = "") -> Table:

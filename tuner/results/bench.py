@@ -30,6 +30,7 @@ import csv
 import json
 import math
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from tuner.results.entries import entry_build
 from tuner.space import Shape, parse_shape
 
 BASELINES = ("cublas", "cublaslt", "cublaslt_auto", "torch")
+CHECKPOINT_S = 30.0  # a long bench writes its results so far this often (a killed run keeps them)
 # The clock regime of the row's timing section (tuner.measure.clocks), medians over the runs;
 # `regime` is "unknown" where no run has a clock record (no NVML, an older worker).
 CLOCK_FIELDS = ("sm_mhz_median", "sm_mhz_min", "power_w", "regime", "energy_per_gemm_mj")
@@ -235,6 +237,45 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
+# The CUDA-L2 paper's FLOP buckets (2*M*N*K), the form of its results table.
+FLOP_EDGES = (1.7e7, 2.7e8, 4.3e9, 6.9e10, 1.1e12)
+
+
+def flop_bucket(flops: float) -> str:
+    lo = 0.0
+    for hi in FLOP_EDGES:
+        if flops < hi:
+            return f"<{hi:.1e}" if lo == 0 else f"{lo:.1e}-{hi:.1e}"
+        lo = hi
+    return f">{FLOP_EDGES[-1]:.1e}"
+
+
+def bucket_geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
+    """The CUDA-L2 paper's table from bench rows: per regime and FLOP bucket, the shapes, the geomean
+    speedup of our best kernel per shape over each baseline (the vendor fallback not counted), and
+    the share of shapes where cuBLAS stays the pick (our best is not faster than it)."""
+    out = []
+    for mode in modes:
+        best: dict[str, dict] = {}  # shape -> its fastest verified row (an export may hold several kernels)
+        for r in rows:
+            if (r["mode"] == mode and r["status"] == "ok" and r["ours_us"]
+                    and (r["shape"] not in best or r["ours_us"] < best[r["shape"]]["ours_us"])):
+                best[r["shape"]] = r
+        groups: dict[int, list[dict]] = {}
+        for r in best.values():
+            flops = 2.0 * r["M"] * r["N"] * r["K"]
+            groups.setdefault(sum(flops >= h for h in FLOP_EDGES), []).append(r)
+        for b in sorted(groups):
+            sub = groups[b]
+            row = {"mode": mode, "bucket": flop_bucket(2.0 * sub[0]["M"] * sub[0]["N"] * sub[0]["K"]),
+                   "shapes": len(sub)}
+            for base in BASELINES:
+                row[base] = geomean([r[f"speedup_{base}"] for r in sub if r[f"speedup_{base}"]])
+            row["vendor_keeps"] = sum(1 for r in sub if not (r["speedup_cublas"] or 0) > 1.0) / len(sub)
+            out.append(row)
+    return out
+
+
 def geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
     """Geomean of (baseline us / ours us) over the verified, timed rows, per mode and baseline."""
     out = []
@@ -249,22 +290,46 @@ def geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
 
 def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, torch: bool = True,
                   timeout_s: float = 900.0, repeats: int = 1,
-                  on_shape: Callable[[int, int, str, list[dict]], None] | None = None) -> dict[str, Any]:
+                  on_shape: Callable[[int, int, str, list[dict]], None] | None = None,
+                  earlier: dict[str, Any] | None = None, deadline: float | None = None,
+                  checkpoint: Callable[[dict[str, Any]], None] | None = None,
+                  checkpoint_s: float = CHECKPOINT_S) -> dict[str, Any]:
     """Every entry of `data` for this GPU: build, then per shape `repeats` runs of one
     `backend.compare` of all its kernels with the baselines in `modes` (each run after the
     first in a fresh worker). Returns plain data: rows, geomeans, skipped entries and the
-    worker's notes per shape."""
+    worker's notes per shape. A long bench (a grid) resumes: `earlier` is an unfinished run's
+    result (`bench --resume`), whose shapes are kept, not timed again; no shape starts after
+    `deadline` (time.perf_counter); `checkpoint` gets the result so far every `checkpoint_s`.
+    `left` counts the shapes not yet benched."""
     target = backend.target
     modes = regimes_of(modes)
     entries, skipped = select_entries(data, target)
+    rows: list[dict] = list((earlier or {}).get("rows", []))
+    notes: dict[str, dict[str, str]] = dict((earlier or {}).get("notes", {}))
+    done = {r["shape"] for r in rows}
     groups: dict[str, list[dict]] = {}
     for e in sorted(entries, key=lambda e: (e["M"] * e["N"] * e["K"], e["shape"])):
-        groups.setdefault(e["shape"], []).append(e)
-    thunks = [(e, builder.submit(e)) for e in entries]  # every compile starts now, in parallel
+        if e["shape"] not in done:
+            groups.setdefault(e["shape"], []).append(e)
+    order = list(groups.items())
+    built = [e for _, group in order for e in group]
+    thunks = [(e, builder.submit(e)) for e in built]  # every compile starts now, in parallel
     build_of = {id(e): thunk for e, thunk in thunks}
-    rows: list[dict] = []
-    notes: dict[str, dict[str, str]] = {}
-    for i, (shape_s, group) in enumerate(groups.items()):
+
+    def result(left: int) -> dict[str, Any]:
+        return {"gpu": target.name, "arch": target.arch, "backend": getattr(backend, "name", ""),
+                "modes": list(modes), "repeats": repeats, "rows": rows, "geomeans": geomeans(rows, modes),
+                "buckets": bucket_geomeans(rows, modes), "contenders": contender_rows(rows),
+                "skipped": skipped, "notes": notes, "entries": len(data["entries"]), "left": left,
+                "simulated": bool(getattr(backend, "simulated", False))}
+
+    last = time.perf_counter()
+    for i, (shape_s, group) in enumerate(order):
+        if deadline is not None and time.perf_counter() >= deadline:
+            return result(len(order) - i)
+        if checkpoint is not None and time.perf_counter() - last >= checkpoint_s:
+            checkpoint(result(len(order) - i))
+            last = time.perf_counter()
         shape = parse_shape(shape_s)
         named = {f"ours{j}": e for j, e in enumerate(group)}
         candidates, failed, warnings = {}, {}, {}
@@ -283,11 +348,7 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
         rows.extend(new)
         if on_shape:
             on_shape(i, len(groups), shape_s, new)
-    return {"gpu": target.name, "arch": target.arch, "backend": getattr(backend, "name", ""),
-            "modes": list(modes), "repeats": repeats, "rows": rows, "geomeans": geomeans(rows, modes),
-            "contenders": contender_rows(rows),
-            "skipped": skipped, "notes": notes, "entries": len(data["entries"]),
-            "simulated": bool(getattr(backend, "simulated", False))}
+    return result(0)
 
 
 def _compare(backend, shape: Shape, candidates: dict[str, CandidateSpec], modes: list[str], torch: bool,
@@ -512,6 +573,18 @@ def markdown(result: dict[str, Any], source: str = "") -> str:
     by = {(ALIASES.get(g["mode"], g["mode"]), g["baseline"]): g for g in result["geomeans"]}
     for b in BASELINES:
         lines.append(f"| {LABELS[b]} | " + " | ".join(geomean_text(by[(m, b)]) for m in modes) + " |")
+    buckets = result.get("buckets") or bucket_geomeans(result["rows"], result["modes"])
+    if buckets:
+        lines += ["", "## By FLOP bucket (CUDA-L2's table form: our best kernel per shape, the vendor fallback not "
+                  "counted)", "",
+                  "| regime | FLOPs | shapes | " + " | ".join(f"vs {LABELS[b]}" for b in BASELINES)
+                  + " | cuBLAS stays the pick |", "|---|---|---:|" + "---:|" * (len(BASELINES) + 1)]
+        lines += [f"| {ALIASES.get(g['mode'], g['mode'])} | {g['bucket']} | {g['shapes']} | "
+                  + " | ".join(_f(g[b], ".3f") for b in BASELINES) + f" | {100 * g['vendor_keeps']:.0f}% |"
+                  for g in buckets]
+    if result.get("left"):
+        lines += ["", f"**Unfinished:** {result['left']} shape(s) not benched yet; `hgemm-tune bench --resume` "
+                  "with the same export and --out continues."]
     bad = [r for r in result["rows"] if r["status"] != "ok"]
     if bad:
         lines += ["", f"{len(bad)} row(s) not counted: " + ", ".join(

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from tuner.errors import UserError
-from tuner.results.bench import contender_rows, geomean, markdown, regimes_of
+from tuner.results.bench import FLOP_EDGES, contender_rows, flop_bucket, geomean, markdown, regimes_of
 from tuner.results.schema import check_writable_folder
 
 
@@ -46,19 +46,6 @@ def frame(data: dict[str, Any]) -> pd.DataFrame:
             row[f"knob.{knob}"] = value
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-# The CUDA-L2 paper's FLOP buckets (2*M*N*K), the form of its results table.
-FLOP_EDGES = (1.7e7, 2.7e8, 4.3e9, 6.9e10, 1.1e12)
-
-
-def flop_bucket(flops: float) -> str:
-    lo = 0.0
-    for hi in FLOP_EDGES:
-        if flops < hi:
-            return f"<{hi:.1e}" if lo == 0 else f"{lo:.1e}-{hi:.1e}"
-        lo = hi
-    return f">{FLOP_EDGES[-1]:.1e}"
 
 
 def bucket_rows(data: dict[str, Any]) -> list[dict[str, Any]]:

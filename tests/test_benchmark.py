@@ -67,8 +67,9 @@ class FakeBackend:
         self.replies = replies
         self.calls: list[tuple] = []
 
-    def compare(self, shape, candidates, timeout_s=300.0, modes=None, torch=True):
+    def compare(self, shape, candidates, timeout_s=300.0, modes=None, torch=True, autotune=True):
         self.calls.append((str(shape), sorted(candidates), list(modes or []), torch))
+        self.autotuned = getattr(self, "autotuned", []) + ([str(shape)] if autotune else [])
         reply = self.replies[str(shape)]
         reply = reply(candidates) if callable(reply) else reply
         # A canned dict is what a worker writes: decoded as GpuBackend decodes it.
@@ -679,3 +680,16 @@ def test_bench_resume_refuses_another_bench(tmp_path, monkeypatch):
     (out / "bench.json").write_text("{")
     res = CliRunner().invoke(app, [*args, "--resume"])
     assert isinstance(res.exception, UserError) and "cannot be read as a bench result" in str(res.exception)
+
+
+def test_autotune_sample_is_stratified_and_reaches_the_worker():
+    shapes = [f"{m}x{n}x{k}" for m in (64, 512, 4096) for n in (64, 512, 4096) for k in (64, 512, 4096)]
+    sample = bm.autotune_sample(shapes, 6)
+    assert bm.autotune_sample(shapes, 6) == sample and 5 <= len(sample) <= 8  # the same draw every time
+    buckets = {bm.flop_bucket(2.0 * math.prod(int(d) for d in s.split("x"))) for s in shapes}
+    assert {bm.flop_bucket(2.0 * math.prod(int(d) for d in s.split("x"))) for s in sample} == buckets
+    assert bm.autotune_sample(shapes, 100) == set(shapes)
+    data = make_export([make_entry(A), make_entry(B)])
+    backend = FakeBackend(REPLIES)
+    bm.run_benchmark(data, backend, FakeBuilder(), ["offline"], autotune_shapes={B})
+    assert backend.autotuned == [B]

@@ -21,18 +21,21 @@ BACKENDS = ("gpu", "replay")
 
 
 def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torch: bool = True, repeats: int = 1,
-          on_start=None, on_shape=None, resume: bool = False,
-          budget_s: float | None = None) -> tuple[dict[str, Any], list[Path]]:
+          on_start=None, on_shape=None, resume: bool = False, budget_s: float | None = None,
+          autotune_sample: int | None = None) -> tuple[dict[str, Any], list[Path]]:
     """Re-verify and time every exported kernel for this GPU against the vendor libraries,
     `repeats` runs each in a fresh worker; writes bench.csv, bench_geomean.csv, bench.md and
     bench.json under `out`, and rewrites them every half minute while it runs. `resume`: keep
     the shapes an earlier, unfinished run of the same export, GPU model, regimes and repeats
     wrote to `out/bench.json`; `budget_s`: start no shape after this many seconds (the result
-    says how many are `left`)."""
+    says how many are `left`); `autotune_sample`: autotune cuBLASLt on a stratified sample of
+    this many shapes only (its top-16 autotuning is the costliest baseline on a grid)."""
     import time
 
     if repeats < 1:
         raise UserError("--repeats must be >= 1")
+    if autotune_sample is not None and autotune_sample < 1:
+        raise UserError(f"--autotune-sample {autotune_sample}: must be at least 1 shape")
     if budget_s is not None and budget_s <= 0:
         raise UserError(f"--budget {budget_s:g}: must be above 0 seconds")
     earlier = _earlier_bench(out / "bench.json", export_file, modes, repeats) if resume else None
@@ -65,6 +68,8 @@ def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torc
         result = bench_stage.run_benchmark(
             data, be, builder, modes, torch=torch, repeats=repeats, on_shape=on_shape, earlier=earlier,
             deadline=started + budget_s if budget_s else None,
+            autotune_shapes=(bench_stage.autotune_sample([e["shape"] for e in chosen], autotune_sample)
+                             if autotune_sample else None),
             checkpoint=lambda partial: bench_stage.write_outputs(partial, out, str(export_file)))
     finally:
         be.close()

@@ -101,6 +101,10 @@ def bench(
                       ] = False,
     budget: Annotated[float | None, typer.Option(help="Seconds: start no shape after this; what is left is "
                                                       "benched by a later --resume.")] = None,
+    autotune_sample: Annotated[int | None, typer.Option(
+        "--autotune-sample", min=1, help="Autotune cuBLASLt (cuBLASLt-auto, its top 16 timed) on a stratified "
+                                         "sample of N shapes only, drawn per FLOP bucket (a grid's costliest "
+                                         "baseline); default: every shape.")] = None,
 ) -> None:
     from tuner.results import bench as bm
 
@@ -124,7 +128,8 @@ def bench(
 
     try:
         result, files = api.bench(export_file, modes, opts, out=out, torch=torch, repeats=repeats,
-                                  on_start=on_start, on_shape=on_shape, resume=resume, budget_s=budget)
+                                  on_start=on_start, on_shape=on_shape, resume=resume, budget_s=budget,
+                                  autotune_sample=autotune_sample)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted[/]: the shapes benched up to the last half-minute checkpoint are in "
                       f"{out}; `--resume` continues")

@@ -205,13 +205,13 @@ class GpuBackend:
         return out
 
     def compare(self, shape: Shape, candidates: dict[str, CandidateSpec], timeout_s: float = 300.0,
-                modes: list[str] | None = None, torch: bool = True) -> CompareReply:
+                modes: list[str] | None = None, torch: bool = True, autotune: bool = True) -> CompareReply:
         """Verify each candidate, then time all of them and the vendor baselines together, in
         each of `modes` (regimes, default sustained; tuner.measure.regimes). `notes` names every
         baseline that could not be measured. `torch=False` leaves torch.matmul out."""
         candidates = {name: dataclasses.replace(c, binary=_absolute(c.binary)) if isinstance(c, CandidateSpec) else c
                       for name, c in candidates.items()}
-        req = CompareRequest((shape.M, shape.N, shape.K), candidates, list(modes or [SUSTAINED]), torch)
+        req = CompareRequest((shape.M, shape.N, shape.K), candidates, list(modes or [SUSTAINED]), torch, autotune)
         return self._call_restarting(req, timeout_s)
 
     def restart(self) -> None:

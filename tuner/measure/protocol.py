@@ -101,6 +101,7 @@ class CompareRequest:
     candidates: dict[str, CandidateSpec]
     modes: list[str] = field(default_factory=lambda: [SUSTAINED])  # regimes (tuner.measure.regimes)
     torch: bool = True
+    autotune: bool = True  # False: no cuBLASLt-auto (its top-16 autotuning), e.g. outside a grid's sample
 
 
 Request = HelloRequest | BaselineRequest | EvaluateRequest | EvaluateManyRequest | CompareRequest

@@ -287,8 +287,11 @@ class Worker:
         try:
             lt = CublasLt(self.stream, buf)
             contenders["cublaslt"] = lt.heuristic()
-            contenders["cublaslt_auto"] = lt.autotuned(buf, self.stream)
-            notes["cublaslt_algos"] = str(len(lt.algos))
+            if req.autotune:
+                contenders["cublaslt_auto"] = lt.autotuned(buf, self.stream)
+                notes["cublaslt_algos"] = str(len(lt.algos))
+            else:
+                notes["cublaslt_auto"] = "not measured: not requested (outside the autotune sample)"
         except (OSError, RuntimeError) as exc:  # no cuBLASLt here: the table says so, cuBLAS still counts
             notes["cublaslt"] = notes["cublaslt_auto"] = f"not measured: {exc}"
         if req.torch:

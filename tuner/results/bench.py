@@ -276,6 +276,27 @@ def bucket_geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
     return out
 
 
+def autotune_sample(shapes: list[str], n: int, seed: int = 34) -> set[str]:
+    """A stratified sample of `n` shapes for the autotuned-cuBLASLt baseline (issue 34 allows one on
+    a grid): per FLOP bucket, a share proportional to its size (at least one), drawn with
+    random.Random(seed) from the bucket's shapes in sorted order, so a resumed bench draws the same."""
+    import random
+
+    buckets: dict[int, list[str]] = {}
+    for s in sorted(set(shapes)):
+        sh = parse_shape(s)
+        buckets.setdefault(sum(sh.flops >= h for h in FLOP_EDGES), []).append(s)
+    total = sum(len(v) for v in buckets.values())
+    if n >= total:
+        return set(shapes)
+    rng = random.Random(seed)
+    out: set[str] = set()
+    for b in sorted(buckets):
+        take = max(1, round(n * len(buckets[b]) / total))
+        out |= set(rng.sample(buckets[b], min(take, len(buckets[b]))))
+    return out
+
+
 def geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
     """Geomean of (baseline us / ours us) over the verified, timed rows, per mode and baseline."""
     out = []
@@ -293,14 +314,15 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
                   on_shape: Callable[[int, int, str, list[dict]], None] | None = None,
                   earlier: dict[str, Any] | None = None, deadline: float | None = None,
                   checkpoint: Callable[[dict[str, Any]], None] | None = None,
-                  checkpoint_s: float = CHECKPOINT_S) -> dict[str, Any]:
+                  checkpoint_s: float = CHECKPOINT_S, autotune_shapes: set[str] | None = None) -> dict[str, Any]:
     """Every entry of `data` for this GPU: build, then per shape `repeats` runs of one
     `backend.compare` of all its kernels with the baselines in `modes` (each run after the
     first in a fresh worker). Returns plain data: rows, geomeans, skipped entries and the
     worker's notes per shape. A long bench (a grid) resumes: `earlier` is an unfinished run's
     result (`bench --resume`), whose shapes are kept, not timed again; no shape starts after
     `deadline` (time.perf_counter); `checkpoint` gets the result so far every `checkpoint_s`.
-    `left` counts the shapes not yet benched."""
+    `left` counts the shapes not yet benched. `autotune_shapes`: the shapes where cuBLASLt is
+    also autotuned (cuBLASLt-auto; `autotune_sample`); None: every shape."""
     target = backend.target
     modes = regimes_of(modes)
     entries, skipped = select_entries(data, target)
@@ -342,7 +364,8 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
         for r in range(repeats if candidates else 0):
             if r:
                 backend.restart()  # a fresh worker: one allocation's luck is not every run's
-            replies.append(_compare(backend, shape, candidates, modes, torch, timeout_s))
+            replies.append(_compare(backend, shape, candidates, modes, torch, timeout_s,
+                                    autotune_shapes is None or shape_s in autotune_shapes))
         notes[shape_s] = {k: v for reply in replies for k, v in reply.notes.items()}
         new = shape_rows(named, replies, modes, target, failed, warnings)
         rows.extend(new)
@@ -352,17 +375,17 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
 
 
 def _compare(backend, shape: Shape, candidates: dict[str, CandidateSpec], modes: list[str], torch: bool,
-             timeout_s: float) -> CompareReply:
+             timeout_s: float, autotune: bool = True) -> CompareReply:
     """One compare; if it fails as a whole (a fault restarts the worker), each candidate alone,
     so one bad kernel does not take the others' rows with it."""
-    reply = backend.compare(shape, candidates, timeout_s=timeout_s, modes=modes, torch=torch)
+    reply = backend.compare(shape, candidates, timeout_s=timeout_s, modes=modes, torch=torch, autotune=autotune)
     if reply.ok or len(candidates) < 2:
         return reply
     merged = CompareReply(modes=list(modes), times_by_mode={m: {} for m in modes})
     sections: dict[str, list[dict]] = {m: [] for m in modes}
     reports: dict[str, list[dict]] = {m: [] for m in modes}
     for name, cand in candidates.items():
-        one = backend.compare(shape, {name: cand}, timeout_s=timeout_s, modes=modes, torch=torch)
+        one = backend.compare(shape, {name: cand}, timeout_s=timeout_s, modes=modes, torch=torch, autotune=autotune)
         for m in modes:
             sections[m].append(one.clocks_in(m) if one.ok else {})
             reports[m].append(one.regime_in(m).to_dict() if one.ok else {})

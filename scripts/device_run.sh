@@ -3,6 +3,7 @@
 #   bash scripts/device_run.sh gpu-tests tune-bench
 #   bash scripts/device_run.sh llama-sweep package check-package bench-model   (issue: a real client)
 #   CATALOGUE=runs/catalogue.zip bash scripts/device_run.sh small   (small shapes: sweep, bench both regimes, ncu)
+#   CATALOGUE=runs/catalogue.zip bash scripts/device_run.sh grid    (the cuda_l2 grid, a slice per call: carry runs/grid.tar.xz)
 # Carry .whl (made here by `bash ../shared/device/wheels.sh optuna openai nvidia-cutlass nvmath-python
 # jsonschema hypothesis`) and, if there is one, runs/cubins.tar.xz (a compile cache packed here after
 # `hgemm-tune prebuild ...`: `tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .`).
@@ -63,6 +64,20 @@ for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries"
           python3 -m tuner.cli bench "$f" --mode isolated --out runs/bench_ncu >> "$OUT/${S}_ncu.csv" 2>> "$OUT/${S}_ncu.err"
       done; tail -3 "$OUT/${S}_ncu.err"
       python3 -m tuner.cli rank-check sqlite:///runs/$S.db --top 5 2>&1 | tee "$OUT/${S}_rank.log" | tail -20 ;;
+    grid)  # issue 34: the cuda_l2 grid from the catalogue, resumable across calls and sessions. To continue, copy an
+      # earlier call's $OUT/grid.tar.xz to runs/ and carry it (the storage and the bench so far, compressed ~15x).
+      [[ -f runs/grid.tar.xz && ! -f runs/grid.db ]] && tar xJf runs/grid.tar.xz -C runs
+      t=$(cap ${GRID_SWEEP_S:-300})
+      timeout "$t" python3 -m tuner.cli sweep space.yaml --shapes "${GRID_SHAPES:-cuda_l2}" --families cute_sm90 \
+        --trials-per-shape "${GRID_TRIALS:-6}" --patience 0 --confirm 0 --budget $((t > 40 ? t - 25 : t)) \
+        ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/grid.db -o runs/grid.json 2>&1 \
+        | tee "$OUT/grid_sweep.log" | tail -6
+      t=$(cap ${GRID_BENCH_S:-240})
+      [[ -f runs/grid.json ]] && timeout "$t" python3 -m tuner.cli bench runs/grid.json --mode both --resume \
+        --budget $((t > 40 ? t - 30 : t)) --autotune-sample "${GRID_AUTOTUNE:-100}" --out runs/bench_grid 2>&1 \
+        | tee "$OUT/grid_bench.log" | tail -25
+      tar cJf "$OUT/grid.tar.xz" -C runs grid.db $(cd runs && ls -d grid.json bench_grid 2>/dev/null)
+      python3 -m tuner.cli catalogue curve sqlite:///runs/grid.db --out "$OUT/curve" 2>&1 | tail -4 ;;
     screen-ab)  # issue 34's trial screen and batches (0036 addendum), fresh storages: AB_MODES of batch (the
       # default with a catalogue: 8 binaries per shared screen), screen (one binary a trial), noscreen (every variant in full)
       for mode in ${AB_MODES:-batch screen noscreen}; do

@@ -54,7 +54,8 @@ def load_studies(storage: str, names: list[str] | None = None, read_only: bool =
     read_only (commands that only read): the storage is opened so that nothing can write it."""
     backing = open_storage(storage, create=False, read_only=read_only)
     try:
-        summaries = optuna.get_all_study_summaries(storage=backing, include_best_trial=False)
+        # the names only (get_all_study_summaries would read every study's trials first)
+        summaries = backing.get_all_studies()
     except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors
         raise UserError(f"cannot open storage {storage!r}: {type(exc).__name__}: "
                         f"{(str(exc).splitlines() or [''])[0]}") from None

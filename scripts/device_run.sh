@@ -48,6 +48,7 @@ for step in "$@"; do
       t=$(cap ${SMALL_TIMEOUT:-200})
       timeout "$t" python3 -m tuner.cli sweep space.yaml --shapes "${SMALL_SHAPES:-small3}" --budget $((t > 40 ? t - 25 : t)) \
         --families "${SMALL_FAMILIES:-cute_sm90}" --trials-per-shape "${SMALL_TRIALS:-24}" --patience 0 --confirm 0 \
+        --objective "${OBJECTIVE:-sustained}" \
         ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/$S.db -o runs/$S.json 2>&1 \
         | tee "$OUT/${S}_sweep.log" | tail -12; cp runs/$S.json runs/$S.db "$OUT/"
       timeout "$(cap ${BENCH_TIMEOUT:-200})" python3 -m tuner.cli bench runs/$S.json --mode both --repeats "${REPEATS:-3}" \

@@ -44,9 +44,10 @@ for step in "$@"; do
     small)  # a shape set (issue 35: small3; SET=large for issue 37's): tune from the catalogue, bench both
       # regimes, then ncu over one isolated bench per shape (NCU_SHAPES of them, NCU_SECTIONS)
       S=${SET:-small}
+      [[ $S != small && -z ${SMALL_SHAPES:-} ]] && { echo "small: SET=$S needs SMALL_SHAPES (a shape list)"; continue; }
       # --budget stops the sweep between shapes and still writes its export; the timeout is the backstop
       t=$(cap ${SMALL_TIMEOUT:-200})
-      timeout "$t" python3 -m tuner.cli sweep space.yaml --shapes "${SMALL_SHAPES:-small3}" --budget $((t > 40 ? t - 25 : t)) \
+      timeout "$t" python3 -m tuner.cli sweep space.yaml --shapes "${SMALL_SHAPES:-small3}" --budget $((t > 40 ? t - 25 : (t > 10 ? t - 5 : t))) \
         --families "${SMALL_FAMILIES:-cute_sm90}" --trials-per-shape "${SMALL_TRIALS:-24}" --patience 0 --confirm 0 \
         --objective "${OBJECTIVE:-sustained}" \
         ${CATALOGUE:+--catalogue "$CATALOGUE"} --storage sqlite:///runs/$S.db -o runs/$S.json 2>&1 \

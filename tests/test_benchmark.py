@@ -693,3 +693,15 @@ def test_autotune_sample_is_stratified_and_reaches_the_worker():
     backend = FakeBackend(REPLIES)
     bm.run_benchmark(data, backend, FakeBuilder(), ["offline"], autotune_shapes={B})
     assert backend.autotuned == [B]
+
+
+def test_resume_benches_again_a_shape_whose_export_entry_changed():
+    """A grid's export grows and re-picks between calls: an earlier row counts only while the
+    export still holds that kernel at that shape."""
+    first = bm.run_benchmark(make_export([make_entry(A), make_entry(B)]), FakeBackend(REPLIES), FakeBuilder(),
+                             ["offline"])
+    repicked = make_export([make_entry(A, knobs=WMMA_KNOBS | {"STAGES": 3}), make_entry(B)])
+    backend = FakeBackend(REPLIES)
+    again = bm.run_benchmark(repicked, backend, FakeBuilder(), ["offline"], earlier=first)
+    assert [c[0] for c in backend.calls] == [A]  # B kept; A's kernel changed: timed again
+    assert sorted(r["shape"] for r in again["rows"]) == sorted([A, B])

@@ -100,3 +100,25 @@ def test_catalogue_curve_cli_on_a_replayed_study(tmp_path):
     bad = subprocess.run(run + ["catalogue", "curve", f"sqlite:///{tmp_path}/none.db"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "none.db" in bad.stdout + bad.stderr
+
+
+def test_a_curve_is_one_problem_and_a_binary_kernel_list_is_one_line(tmp_path):
+    """Studies of two objectives (or accumulations, or GPU models) cannot share a curve; a kernel
+    list that is not UTF-8 text is refused in one line."""
+    from tuner.measure import ReplayBackend
+    from tuner.results.curve import measured
+    from tuner.search import tune
+    from tuner.space import load_space, parse_shape
+
+    space = load_space(ROOT / "space.yaml")
+    replay = ReplayBackend(ROOT / "tests" / "data" / "replay_4096x4096x8192.jsonl", "sm_90a")
+    storage = f"sqlite:///{tmp_path}/two.db"
+    shape = parse_shape("4096x4096x8192")
+    a = tune(space, ["cute_sm80"], shape, replay, trials=3, storage=storage, seed=0)
+    b = tune(space, ["cute_sm80"], shape, replay, trials=3, storage=storage, seed=0, objective="isolated")
+    with pytest.raises(UserError, match="2 objectives"):
+        measured([a, b])
+    for raw in (b"\xff\xfe\x00{", b"\x80\x81{}", b"[" * 100_000):
+        with pytest.raises(UserError, match="^k.json: not ") as err:
+            read_kernel_list(raw, "k.json")
+        assert "\n" not in str(err.value)

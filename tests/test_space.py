@@ -250,3 +250,11 @@ def test_expression_memo_keeps_values_apart_by_value_and_type():
     assert type(one.eval({"A": 1.0})) is float and type(one.eval({"A": 1})) is int
     with pytest.raises(UserError, match="KeyError"):
         e.eval({"A": 1})
+
+
+def test_expression_memo_leaves_containers_out():
+    """A tuple equals one of other element types ((1, 2.0) == (1, 2)): never a memo key."""
+    from tuner.space.expr import Expr
+
+    e = Expr("max(T)")
+    assert type(e.eval({"T": (1, 2.0)})) is float and type(e.eval({"T": (1, 2)})) is int

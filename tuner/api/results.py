@@ -38,7 +38,8 @@ def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torc
         raise UserError(f"--autotune-sample {autotune_sample}: must be at least 1 shape")
     if budget_s is not None and budget_s <= 0:
         raise UserError(f"--budget {budget_s:g}: must be above 0 seconds")
-    earlier = _earlier_bench(out / "bench.json", export_file, modes, repeats) if resume else None
+    earlier = (_earlier_bench(out / "bench.json", export_file, modes, repeats, torch, autotune_sample)
+               if resume else None)
     started = time.perf_counter()
     data = read_json(export_file)
     if not data["entries"]:
@@ -68,7 +69,7 @@ def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torc
         result = bench_stage.run_benchmark(
             data, be, builder, modes, torch=torch, repeats=repeats, on_shape=on_shape, earlier=earlier,
             deadline=started + budget_s if budget_s else None,
-            autotune_shapes=(bench_stage.autotune_sample([e["shape"] for e in chosen], autotune_sample)
+            autotune_shapes=(bench_stage.autotune_sample(_sample_population(space, chosen), autotune_sample)
                              if autotune_sample else None),
             checkpoint=lambda partial: bench_stage.write_outputs(partial, out, str(export_file)))
     finally:
@@ -78,9 +79,20 @@ def bench(export_file: Path, modes: list[str], opts: Options, *, out: Path, torc
     return result, bench_stage.write_outputs(result, out, str(export_file))
 
 
-def _earlier_bench(path: Path, export_file: Path, modes: list[str], repeats: int) -> dict[str, Any] | None:
+def _sample_population(space, entries: list[dict]) -> list[str]:
+    """Where the autotune sample is drawn from: the space's shape list that holds every shape of the
+    export, the smallest such (a grid benched in slices: its sample must not depend on the slice),
+    else the export's own shapes."""
+    shapes = {e["shape"] for e in entries}
+    lists = [names for names in ({str(s) for s in v} for v in space.shapes.values()) if shapes <= names]
+    return sorted(min(lists, key=len) if lists else shapes)
+
+
+def _earlier_bench(path: Path, export_file: Path, modes: list[str], repeats: int, torch: bool,
+                   autotune_sample: int | None) -> dict[str, Any] | None:
     """An earlier run's bench.json to resume (None: there is none yet); refused, in one line, when
-    it is damaged or measured another export, other regimes or another number of repeats."""
+    it is damaged or measured another export path, other regimes, repeats, torch or autotune
+    choice. (Shapes whose export entry changed since are benched again: run_benchmark.)"""
     from tuner.results.bench import regimes_of
 
     if not path.exists():
@@ -89,15 +101,20 @@ def _earlier_bench(path: Path, export_file: Path, modes: list[str], repeats: int
         data = json.loads(path.read_text())
         rows, source = data["rows"], data.get("source")
         same = (regimes_of(data["modes"]) == regimes_of(modes) and data.get("repeats", 1) == repeats
+                and data.get("torch", True) == torch
+                and (data.get("autotune_shapes") is None) == (autotune_sample is None)
                 and isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("shape"), str)
-                                                   for r in rows))
+                                                   and isinstance(r.get("family"), str)
+                                                   and isinstance(r.get("knobs"), str) for r in rows))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"--resume: {path} cannot be read as a bench result ({type(exc).__name__}); move it away "
                         "or bench into another --out") from None
     if source != str(export_file) or not same:
         raise UserError(f"--resume: {path} holds another bench (export {source}, regimes "
-                        f"{','.join(data['modes'])}, {data.get('repeats', 1)} repeats): resume with the same export, "
-                        "--mode and --repeats, or bench into another --out")
+                        f"{','.join(data['modes'])}, {data.get('repeats', 1)} repeats, torch "
+                        f"{'on' if data.get('torch', True) else 'off'}, autotune "
+                        f"{'sampled' if data.get('autotune_shapes') is not None else 'everywhere'}): resume with the "
+                        "same export, --mode, --repeats, --torch and --autotune-sample, or bench into another --out")
     return data
 
 
@@ -214,7 +231,9 @@ def catalogue_curve(storage: str, studies: list[str] | None, tolerance: float, o
         raise UserError(f"--size {size}: the curve has sets of 0 to {len(curve.points) - 1} kernels")
     files: list[Path] = []
     if out is not None:
-        check_output(out / "curve.json")
+        from tuner.results.schema import check_writable_folder
+
+        check_writable_folder(out, f"cannot write the curve to {out}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "curve.json").write_text(json.dumps(curve.to_dict(), indent=1))
         with (out / "curve.csv").open("w", newline="") as fh:
@@ -223,8 +242,9 @@ def catalogue_curve(storage: str, studies: list[str] | None, tolerance: float, o
             w.writerows([p.size, f"{p.geomean_vs_cublas:.5f}", f"{p.geomean_of_best:.5f}", p.within, curve.shapes,
                          p.added] for p in curve.points)
         files += [out / "curve.json", out / "curve.csv"]
-        if size is not None or curve.keep is not None:
-            (out / "kernels.json").write_text(json.dumps(kernel_list(m, curve, size), indent=1))
+        chosen = curve.keep if size is None else size
+        if chosen:  # none: no set keeps every shape, or cuBLAS alone does (nothing to build)
+            (out / "kernels.json").write_text(json.dumps(kernel_list(m, curve, chosen), indent=1))
             files.append(out / "kernels.json")
         try:
             from tuner.results.report import plot_curve
@@ -259,13 +279,13 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
         from tuner.results.curve import read_kernel_list
 
         try:
-            text = kernels_file.read_text()
+            raw = kernels_file.read_bytes()
         except OSError as exc:
             raise UserError(f"--kernels {kernels_file}: cannot be read: {exc.strerror or exc}") from None
-        for i, k in enumerate(read_kernel_list(text, str(kernels_file))):
+        for i, k in enumerate(read_kernel_list(raw, str(kernels_file))):
             try:
                 fam = space.family(k["family"])
-                full = full_config(fam, fam.complete(k["config"]))
+                full = full_config(fam, fam.complete_stored(k["config"]))  # a storage's retired knobs dropped
             except UserError as exc:
                 raise UserError(f"{kernels_file}: kernels/{i}: {exc}") from None
             if named is not None and fam.name not in named:

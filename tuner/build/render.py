@@ -67,7 +67,11 @@ def render(family: Family, config: dict[str, Any], arch: str, templates_dir: Pat
             raise UserError(f"family {family.name}: probe variables are for our own templates only")
         return _render_isolated(family, config, templates_dir or family.templates_dir, arch, accumulate)
     folder = templates_dir or family.templates_dir
-    variables = template_vars(family, config, arch, accumulate) | (probe or {})
+    try:
+        variables = template_vars(family, config, arch, accumulate) | (probe or {})
+    except Exception as exc:  # noqa: BLE001 - a config missing a knob: this config's failure, as before
+        raise RenderError(f"template {family.template} does not render with {config}: "
+                          f"{type(exc).__name__}: {exc}") from None
     try:
         # A sweep renders the same catalogue configs at every shape (~30 ms each): the source is a
         # function of the template's bytes and the variables alone (our templates include no other).

@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -277,9 +278,10 @@ def bucket_geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
 
 
 def autotune_sample(shapes: list[str], n: int, seed: int = 34) -> set[str]:
-    """A stratified sample of `n` shapes for the autotuned-cuBLASLt baseline (issue 34 allows one on
-    a grid): per FLOP bucket, a share proportional to its size (at least one), drawn with
-    random.Random(seed) from the bucket's shapes in sorted order, so a resumed bench draws the same."""
+    """A stratified sample of `n` of `shapes` for the autotuned-cuBLASLt baseline (issue 34 allows one
+    on a grid): per FLOP bucket, a share proportional to its size (at least one), drawn with
+    random.Random(seed) from the bucket's shapes in sorted order: the same population always
+    draws the same sample (draw it from the whole grid, not from what a partial export holds)."""
     import random
 
     buckets: dict[int, list[str]] = {}
@@ -326,9 +328,18 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
     target = backend.target
     modes = regimes_of(modes)
     entries, skipped = select_entries(data, target)
-    rows: list[dict] = list((earlier or {}).get("rows", []))
-    notes: dict[str, dict[str, str]] = dict((earlier or {}).get("notes", {}))
-    done = {r["shape"] for r in rows}
+    now = {(e["shape"], e["family"], json.dumps(e["knobs"], sort_keys=True, separators=(",", ":")))
+           for e in entries}
+    by_shape: dict[str, list[dict]] = {}
+    for r in (earlier or {}).get("rows", []):
+        by_shape.setdefault(r["shape"], []).append(r)
+    # An earlier shape is kept only if every row of it is a kernel the export still holds there, and
+    # the export holds no other kernel there (a grid's export grows and re-picks between calls).
+    kept = {shape for shape, rs in by_shape.items()
+            if {(r["shape"], r["family"], r["knobs"]) for r in rs} == {k for k in now if k[0] == shape}}
+    rows: list[dict] = [r for shape in kept for r in by_shape[shape]]
+    notes: dict[str, dict[str, str]] = {k: v for k, v in (earlier or {}).get("notes", {}).items() if k in kept}
+    done = kept
     groups: dict[str, list[dict]] = {}
     for e in sorted(entries, key=lambda e: (e["M"] * e["N"] * e["K"], e["shape"])):
         if e["shape"] not in done:
@@ -343,6 +354,7 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
                 "modes": list(modes), "repeats": repeats, "rows": rows, "geomeans": geomeans(rows, modes),
                 "buckets": bucket_geomeans(rows, modes), "contenders": contender_rows(rows),
                 "skipped": skipped, "notes": notes, "entries": len(data["entries"]), "left": left,
+                "torch": torch, "autotune_shapes": sorted(autotune_shapes) if autotune_shapes is not None else None,
                 "simulated": bool(getattr(backend, "simulated", False))}
 
     last = time.perf_counter()
@@ -662,8 +674,15 @@ def write_outputs(result: dict[str, Any], out: Path, source: str = "") -> list[P
              write_csv(result["geomeans"], GEOMEAN_FIELDS, out / "bench_geomean.csv"),
              write_csv(result.get("contenders") or contender_rows(result["rows"]), CONTENDER_FIELDS,
                        out / "bench_contenders.csv")]
-    md = out / "bench.md"
-    md.write_text(markdown(result, source))
-    js = out / "bench.json"
-    js.write_text(json.dumps(result | {"source": source}, indent=1) + "\n")
+    md = _replace(out / "bench.md", markdown(result, source))
+    # bench.json last and whole (written aside, then renamed): a bench killed mid-checkpoint keeps the
+    # previous one, which `--resume` reads
+    js = _replace(out / "bench.json", json.dumps(result | {"source": source}, indent=1) + "\n")
     return files + [md, js]
+
+
+def _replace(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path

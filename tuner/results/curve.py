@@ -64,35 +64,40 @@ class Curve:
 
 
 def measured(studies: list[optuna.Study]) -> Measured:
-    """Every shape's steady times per kernel (family + compile config + accumulation) and its median
-    cuBLAS time, from the studies' current verified trials. Studies of several GPU models cannot
-    share a curve (picks do not carry between cards, 0010): a UserError names them."""
-    models = {m for st in studies for m in [study_gpu(st)] if m}
-    if len(models) > 1:
-        raise UserError(f"the studies ran on {len(models)} GPU models ({', '.join(sorted(models))}): a catalogue "
-                        "curve needs the studies of one model (pass their names)")
-    out = Measured(gpu=next(iter(models), None))
+    """Every shape's steady times per kernel (family + compile config) and its median cuBLAS time,
+    from the studies' current verified trials. One curve is one problem: studies of several GPU
+    models (picks do not carry between cards, 0010), accumulations or objectives (their times are
+    of another problem or regime) cannot share it, and a UserError says to pick studies."""
+    ours = []
     for st in studies:
         try:
-            meta = StudyMeta.of(st)
+            ours.append((st, StudyMeta.of(st)))
         except UserError:
             continue  # not a study of ours
-        shape = meta.shape
-        cublas: list[float] = []
+    for what, values in (("GPU models", {study_gpu(st) for st, _ in ours} - {None}),
+                         ("accumulations", {meta.accumulate for _, meta in ours}),
+                         ("objectives", {meta.objective for _, meta in ours})):
+        if len(values) > 1:
+            raise UserError(f"the studies span {len(values)} {what} ({', '.join(sorted(map(str, values)))}): a "
+                            "catalogue curve needs studies of one problem (pass their names with --study)")
+    out = Measured(gpu=next((m for st, _ in ours for m in [study_gpu(st)] if m), None))
+    cublas: dict[str, list[float]] = {}
+    for st, meta in ours:
         for t in current_ok(st.get_trials(deepcopy=False), study_gpu(st)):
             rec = TrialRecord.of(t)
             if rec.time_us is None or gpu_model(rec.gpu) != out.gpu:
                 continue
-            key = config_key(rec.family, rec.config) + ("" if meta.accumulate == "fp32" else f":{meta.accumulate}")
+            key = config_key(rec.family, rec.config)
             out.kernels.setdefault(key, (rec.family, dict(rec.config), meta.accumulate))
-            row = out.times.setdefault(shape, {})
+            row = out.times.setdefault(meta.shape, {})
             row[key] = min(rec.time_us, row.get(key, math.inf))
             if rec.cublas_us:
-                cublas.append(rec.cublas_us)
-        if cublas and shape in out.times:
-            out.cublas[shape] = statistics.median(cublas)
+                cublas.setdefault(meta.shape, []).append(rec.cublas_us)
+    for shape in list(out.times):
+        if shape in cublas:
+            out.cublas[shape] = statistics.median(cublas[shape])
         else:
-            out.times.pop(shape, None)  # no vendor time to compare with: left out
+            del out.times[shape]  # no vendor time to compare with: left out
     return out
 
 
@@ -119,11 +124,12 @@ def greedy_curve(m: Measured, tolerance: float = 0.01) -> Curve:
 
     points: list[CurvePoint] = [point(0, "")]
     left = sorted(m.kernels)
+    where = {k: [s for s in shapes if k in m.times[s]] for k in left}  # the shapes each kernel was timed at
     while left:
-        def gain(k: str) -> float:
-            return sum(math.log(reach[s] / min(reach[s], m.times[s].get(k, math.inf))) for s in shapes)
-        best = max(left, key=lambda k: (gain(k), -left.index(k)))
-        if gain(best) <= 0:
+        gains = {k: sum(math.log(reach[s] / m.times[s][k]) for s in where[k] if m.times[s][k] < reach[s])
+                 for k in left}
+        best = max(left, key=lambda k: gains[k])  # max keeps the first of equal gains: key order
+        if gains[best] <= 0:
             break  # every kernel left is nowhere faster than what the set reaches
         left.remove(best)
         for s in shapes:
@@ -139,6 +145,9 @@ def kernel_list(m: Measured, curve: Curve, size: int | None = None) -> dict[str,
     size = curve.keep if size is None else size
     if size is None:
         raise UserError("no set of these kernels keeps every shape within the tolerance: pass a size")
+    if size == 0:
+        raise UserError("the curve's set is empty (cuBLAS alone keeps every shape within the tolerance): "
+                        "no kernel list to write; pass --size N for the first N kernels")
     chosen = [p.added for p in curve.points[1:size + 1]]
     return {"kind": KERNEL_LIST_KIND, "gpu": curve.gpu, "tolerance": curve.tolerance,
             "kernels": [{"family": m.kernels[k][0], "config": m.kernels[k][1], "accumulate": m.kernels[k][2],
@@ -146,13 +155,15 @@ def kernel_list(m: Measured, curve: Curve, size: int | None = None) -> dict[str,
                         for i, k in enumerate(chosen, 1)]}
 
 
-def read_kernel_list(text: str, where: str) -> list[dict[str, Any]]:
+def read_kernel_list(raw: bytes | str, where: str) -> list[dict[str, Any]]:
     """A kernel list's entries (family, config, accumulate, why), shape-checked; an untrusted file:
     every problem is a one-line UserError naming the entry."""
     try:
-        data = json.loads(text)
+        data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise UserError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8; nested past the parser's stack
+        raise UserError(f"{where}: not a JSON kernel list ({type(exc).__name__})") from None
     if not isinstance(data, dict) or data.get("kind") != KERNEL_LIST_KIND or not isinstance(data.get("kernels"), list):
         raise UserError(f"{where}: not a kernel list (a JSON object with \"kind\": \"{KERNEL_LIST_KIND}\" and "
                         "\"kernels\": [...], as `catalogue curve --kernels-out` writes)")

@@ -354,11 +354,13 @@ class Search:
                     for rec in (self.measure_many(batch) if batch else [self.measure_next()]):
                         if on_progress and rec is not None:
                             on_progress(self.progress, rec)
-        except KeyboardInterrupt:
+        except BaseException as exc:  # an interrupt, or an error (a worker that cannot restart, the storage)
+            why = ("interrupted before it was told" if isinstance(exc, KeyboardInterrupt)
+                   else f"the search stopped on {type(exc).__name__} before it was told")
             with INTERRUPTS.deferred():  # a second signal must not cut this short
                 for p in self.queue:
                     if p.trial is not None:
-                        fail_held(self.study, p.trial, Status.INTERRUPTED, "interrupted before it was measured")
+                        fail_held(self.study, p.trial, Status.INTERRUPTED, why)
             raise
         return self.study
 

@@ -108,8 +108,9 @@ def current_ok(trials: Iterable[optuna.trial.FrozenTrial], gpu: str | None = Non
     With `gpu` (a model, `gpu_model`): only the trials measured on that model, where there are any.
     Picks do not carry between cards (an H100 study's best ran 5% behind on an H200, and an H200
     study's 8% behind on an H100: docs/decisions), so times from two models must not be ranked together.
-    screened: the verified trials a batch's screen left behind (Status.SCREENED) count too (their
-    screen times rank them; never their value, which they have none of)."""
+    screened: the verified trials a batch's screen left behind (Status.SCREENED) count too. Optuna
+    gives such a PRUNED trial its screen time as `value`: never rank them by it beside full times
+    (rank.order_time says which time a trial ranks by)."""
     finished = []
     for t in trials:
         if t.state.is_finished() and holds_kernel(t):

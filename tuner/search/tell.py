@@ -52,7 +52,9 @@ def tell_duplicate(study: optuna.Study, trial: optuna.Trial, prev: optuna.trial.
     mark_trial(trial, Status.DUPLICATE, duplicate_of=prev.number)
     if prev.state == optuna.trial.TrialState.COMPLETE:
         study.tell(trial, prev.value)
-    elif prev.state == optuna.trial.TrialState.PRUNED:  # a repeat of an invalid one
+    elif prev.state == optuna.trial.TrialState.PRUNED:  # a repeat of an invalid or a screened-out one
+        if prev.value is not None:  # screened out: its screen time, as the original reported it
+            trial.report(prev.value, step=0)
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     else:
         study.tell(trial, state=optuna.trial.TrialState.FAIL)

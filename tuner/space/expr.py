@@ -111,6 +111,7 @@ def _depth(tree: ast.AST) -> int:
 
 
 _MISSING = object()
+_PLAIN = (int, float, str, bool)  # the value types the memo keys on (exact types: not their subclasses)
 MEMO_ENTRIES = 1 << 16  # per expression; cleared when full
 
 
@@ -177,18 +178,19 @@ class Expr:
         """The value at `env`. Memoized on the values (and their types: True is not 1 here) of
         the names the expression reads: a catalogue ranking checks every constraint at every
         run-time variant of every config, and most constraints read compile-time knobs only."""
-        key = tuple((type(v), v) for v in (env.get(n, _MISSING) for n in self._order))
+        values = [env.get(n, _MISSING) for n in self._order]
+        if not all(type(v) in _PLAIN for v in values):
+            return self._evaluate(env)  # a tuple (equal to one of other element types), a missing name
+        # floats by their bits: -0.0 is not 0.0 here, and a NaN finds itself
+        key = tuple((type(v), v.hex() if type(v) is float else v) for v in values)
         try:
             return self._memo[key]
         except KeyError:
             pass
-        except TypeError:  # an unhashable value: evaluate without the memo
-            return self._evaluate(env)
         value = self._evaluate(env)
-        if _MISSING not in (v for _, v in key):
-            if len(self._memo) >= MEMO_ENTRIES:
-                self._memo.clear()
-            self._memo[key] = value
+        if len(self._memo) >= MEMO_ENTRIES:
+            self._memo.clear()
+        self._memo[key] = value
         return value
 
     def _evaluate(self, env: dict[str, Any]) -> Any:

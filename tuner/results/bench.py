@@ -242,6 +242,11 @@ def geomean(values: list[float]) -> float | None:
 FLOP_EDGES = (1.7e7, 2.7e8, 4.3e9, 6.9e10, 1.1e12)
 
 
+def bucket_index(flops: float) -> int:
+    """Which of the CUDA-L2 FLOP buckets (0: the smallest) a GEMM of `flops` falls in; its order."""
+    return sum(flops >= h for h in FLOP_EDGES)
+
+
 def flop_bucket(flops: float) -> str:
     lo = 0.0
     for hi in FLOP_EDGES:
@@ -264,8 +269,7 @@ def bucket_geomeans(rows: list[dict], modes: list[str]) -> list[dict]:
                 best[r["shape"]] = r
         groups: dict[int, list[dict]] = {}
         for r in best.values():
-            flops = 2.0 * r["M"] * r["N"] * r["K"]
-            groups.setdefault(sum(flops >= h for h in FLOP_EDGES), []).append(r)
+            groups.setdefault(bucket_index(2.0 * r["M"] * r["N"] * r["K"]), []).append(r)
         for b in sorted(groups):
             sub = groups[b]
             row = {"mode": mode, "bucket": flop_bucket(2.0 * sub[0]["M"] * sub[0]["N"] * sub[0]["K"]),
@@ -286,8 +290,7 @@ def autotune_sample(shapes: list[str], n: int, seed: int = 34) -> set[str]:
 
     buckets: dict[int, list[str]] = {}
     for s in sorted(set(shapes)):
-        sh = parse_shape(s)
-        buckets.setdefault(sum(sh.flops >= h for h in FLOP_EDGES), []).append(s)
+        buckets.setdefault(bucket_index(parse_shape(s).flops), []).append(s)
     total = sum(len(v) for v in buckets.values())
     if n >= total:
         return set(shapes)
@@ -339,10 +342,9 @@ def run_benchmark(data: dict[str, Any], backend, builder, modes: list[str], *, t
             if {(r["shape"], r["family"], r["knobs"]) for r in rs} == {k for k in now if k[0] == shape}}
     rows: list[dict] = [r for shape in kept for r in by_shape[shape]]
     notes: dict[str, dict[str, str]] = {k: v for k, v in (earlier or {}).get("notes", {}).items() if k in kept}
-    done = kept
     groups: dict[str, list[dict]] = {}
     for e in sorted(entries, key=lambda e: (e["M"] * e["N"] * e["K"], e["shape"])):
-        if e["shape"] not in done:
+        if e["shape"] not in kept:
             groups.setdefault(e["shape"], []).append(e)
     order = list(groups.items())
     built = [e for _, group in order for e in group]

@@ -68,22 +68,22 @@ def measured(studies: list[optuna.Study]) -> Measured:
     from the studies' current verified trials. One curve is one problem: studies of several GPU
     models (picks do not carry between cards, 0010), accumulations or objectives (their times are
     of another problem or regime) cannot share it, and a UserError says to pick studies."""
-    ours = []
+    ours = []  # (study, its meta, the GPU model it last ran on)
     for st in studies:
         try:
-            ours.append((st, StudyMeta.of(st)))
+            ours.append((st, StudyMeta.of(st), study_gpu(st)))
         except UserError:
             continue  # not a study of ours
-    for what, values in (("GPU models", {study_gpu(st) for st, _ in ours} - {None}),
-                         ("accumulations", {meta.accumulate for _, meta in ours}),
-                         ("objectives", {meta.objective for _, meta in ours})):
+    for what, values in (("GPU models", {gpu for *_, gpu in ours} - {None}),
+                         ("accumulations", {meta.accumulate for _, meta, _ in ours}),
+                         ("objectives", {meta.objective for _, meta, _ in ours})):
         if len(values) > 1:
             raise UserError(f"the studies span {len(values)} {what} ({', '.join(sorted(map(str, values)))}): a "
                             "catalogue curve needs studies of one problem (pass their names with --study)")
-    out = Measured(gpu=next((m for st, _ in ours for m in [study_gpu(st)] if m), None))
+    out = Measured(gpu=next((gpu for *_, gpu in ours if gpu), None))
     cublas: dict[str, list[float]] = {}
-    for st, meta in ours:
-        for t in current_ok(st.get_trials(deepcopy=False), study_gpu(st)):
+    for st, meta, gpu in ours:
+        for t in current_ok(st.get_trials(deepcopy=False), gpu):
             rec = TrialRecord.of(t)
             if rec.time_us is None or gpu_model(rec.gpu) != out.gpu:
                 continue

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from tuner.errors import UserError
-from tuner.results.bench import FLOP_EDGES, contender_rows, flop_bucket, geomean, markdown, regimes_of
+from tuner.results.bench import bucket_index, contender_rows, flop_bucket, geomean, markdown, regimes_of
 from tuner.results.schema import check_writable_folder
 
 
@@ -54,7 +54,7 @@ def bucket_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for e in data["entries"]:
         flops = 2.0 * e["M"] * e["N"] * e["K"]
-        key = (str(e.get("objective") or "sustained"), sum(flops >= h for h in FLOP_EDGES), flop_bucket(flops))
+        key = (str(e.get("objective") or "sustained"), bucket_index(flops), flop_bucket(flops))
         groups.setdefault(key, []).append(e)
     rows = []
     for (regime, _, label), entries in sorted(groups.items()):

@@ -49,16 +49,21 @@ def existing_study(name: str, storage: optuna.storages.BaseStorage) -> optuna.St
     return optuna.load_study(study_name=name, storage=storage)
 
 
-def load_studies(storage: str, names: list[str] | None = None, read_only: bool = False) -> list[optuna.Study]:
-    """Existing studies only: a missing storage file or study is a UserError, never created.
-    read_only (commands that only read): the storage is opened so that nothing can write it."""
+def _listed(storage: str, read_only: bool = False) -> tuple[optuna.storages.BaseStorage, list]:
+    """An existing storage and its studies' names and attributes, no trials (get_all_study_summaries
+    would read every study's trials first; a grid storage holds a thousand studies)."""
     backing = open_storage(storage, create=False, read_only=read_only)
     try:
-        # the names only (get_all_study_summaries would read every study's trials first)
-        summaries = backing.get_all_studies()
+        return backing, backing.get_all_studies()
     except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors
         raise UserError(f"cannot open storage {storage!r}: {type(exc).__name__}: "
                         f"{(str(exc).splitlines() or [''])[0]}") from None
+
+
+def load_studies(storage: str, names: list[str] | None = None, read_only: bool = False) -> list[optuna.Study]:
+    """Existing studies only: a missing storage file or study is a UserError, never created.
+    read_only (commands that only read): the storage is opened so that nothing can write it."""
+    backing, summaries = _listed(storage, read_only)
     available = [s.study_name for s in summaries]
     chosen = names or available
     missing = sorted(set(chosen) - set(available))
@@ -69,16 +74,9 @@ def load_studies(storage: str, names: list[str] | None = None, read_only: bool =
 
 def nearest_studies(storage: str, shape: Shape, k: int) -> list[optuna.Study]:
     """The `k` studies of other shapes nearest to `shape` (Shape.distance), in the order
-    `sampler.nearest_picks` would rank them, found from the study summaries: one read of the
-    storage's study attributes (no trials) instead of a load per study (a sweep asks this for every shape,
-    and a grid storage holds a thousand studies). A missing storage is a UserError."""
-    backing = open_storage(storage, create=False)
-    try:
-        # the storage's own list: names and attributes, no trials (get_all_study_summaries reads every trial)
-        summaries = backing.get_all_studies()
-    except Exception as exc:  # noqa: BLE001 - bad URL, missing file, wrong schema: all user errors
-        raise UserError(f"cannot open storage {storage!r}: {type(exc).__name__}: "
-                        f"{(str(exc).splitlines() or [''])[0]}") from None
+    `sampler.nearest_picks` would rank them, found from the study list's attributes instead of a
+    load per study (a sweep asks this for every shape). A missing storage is a UserError."""
+    backing, summaries = _listed(storage)
     scored = []
     for s in summaries:
         text = s.user_attrs.get("shape")

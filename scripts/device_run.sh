@@ -61,6 +61,7 @@ for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries"
         runs/$S.json "$S" "${NCU_SHAPES:-99}"
       sections=(); for sec in ${NCU_SECTIONS:-SpeedOfLight LaunchStats}; do sections+=(--section "$sec"); done
       for f in runs/${S}_[0-9]*.json; do
+        [[ -f $f ]] || continue  # NCU_SHAPES=0: no ncu
         timeout "$(cap ${NCU_TIMEOUT:-60})" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet|gemm|xmma" \
           "${sections[@]}" --launch-count "${NCU_LAUNCHES:-40}" --csv --page details \
           python3 -m tuner.cli bench "$f" --mode isolated --out runs/bench_ncu >> "$OUT/${S}_ncu.csv" 2>> "$OUT/${S}_ncu.err"

@@ -79,9 +79,20 @@ def test_small_m_ranks_64_row_tiles_above_big_tiles(space):
 def test_few_tiles_and_long_k_rank_split_k_first(space):
     res = rank_catalogue(space, sm90_catalogue(space), parse_shape("256x256x8192"), H200)
     top = res.candidates[0]
-    assert top.variant["DECOMP"] != "data_parallel" and top.config["SCHEDULER"] == "streamk"
+    # basic's one-wave split-K (measured best there on an H100, docs/decisions/0039)
+    assert top.variant["DECOMP"].startswith("split_") and top.config["SCHEDULE"] == "basic"
     # The same configs with the K decomposition left out would be slower by the model.
     assert all(c.variant["DECOMP"] != "data_parallel" for c in res.candidates[:3])
+
+
+def test_one_tile_shapes_rank_plain_grids_above_persistent_kernels(space):
+    # A persistent kernel's set-up (scheduler, cluster sync) is most of a one-tile GEMM: `basic`
+    # beat pingpong by 0.55-0.73 us at every such shape timed on an H100 (PERSISTENT_SETUP_US).
+    for shape in ("64x64x64", "256x64x128", "64x128x512"):
+        res = rank_catalogue(space, sm90_catalogue(space), parse_shape(shape), H200)
+        plain = rank_of(res, lambda c, v: c["SCHEDULE"] == "basic")
+        persistent = rank_of(res, lambda c, v: c["SCHEDULE"] != "basic")
+        assert plain and persistent and min(plain) == 1 and min(plain) < min(persistent), shape
 
 
 def test_a_nearby_winner_moves_up(space):

@@ -40,7 +40,12 @@ from tuner.space import Family, Shape, Space, Target
 
 # ---- the cost model's constants (round figures for H100/H200; they only need to order configs)
 
-LAUNCH_US = 4.0          # launch plus a persistent kernel's prologue (3-5 us measured on H100)
+LAUNCH_US = 3.1          # launch and a plain grid's prologue: every kernel
+# A persistent kernel's own set-up on top (tile scheduler, every CTA's cluster sync before its
+# first tile): with LAUNCH_US, the 3-5 us measured for one on an H100. Fitted on the H100's
+# 68-shape sweep (2026-12-07): `basic` 64x64 beat pingpong 64x64 by 0.55-0.73 us at every
+# one-wave shape where both were timed (pingpong's halved tile overhead included, below).
+PERSISTENT_SETUP_US = 0.9
 L2_TBS = 10.0            # aggregate L2-to-SM bandwidth, TB/s: feeds each tile's operands
 TILE_OVERHEAD_US = 0.6   # per output tile: pipeline fill and epilogue store
 # The share of the dense tensor-core peak each family's MMA path reaches at best: wgmma (Hopper),
@@ -75,6 +80,7 @@ class Tile:
     parallel_reduction: bool = False  # each split adds up 1/splits of its tile at once (basic's split-K)
     pingpong: bool = False     # one warpgroup's epilogue under the other's MMAs
     ctas_per_sm: int = 1
+    persistent: bool = False   # a persistent kernel (cooperative, pingpong): PERSISTENT_SETUP_US more
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def tile_of(fam: Family, full: dict[str, Any], shape: Shape, target: Target) -> 
         return Tile(full["TILE_M"], full["TILE_N"], full["TILE_K"], int(full.get("CLUSTER_M", 1)),
                     int(full.get("CLUSTER_N", 1)), splits, decomp == "stream_k",
                     full.get("REDUCTION", "deterministic") == "deterministic", full.get("SCHEDULE") == "basic",
-                    full.get("SCHEDULE") == "pingpong", ctas)
+                    full.get("SCHEDULE") == "pingpong", ctas, full.get("SCHEDULE") != "basic")
     if {"BM", "BN", "BK"} <= set(full):  # cubin families: as many CTAs per SM as smem and threads allow
         env = fam.env(full, shape, target)
         smem, threads = int(env.get("smem_bytes", 0) or 0), int(env.get("threads", 128) or 128)
@@ -172,7 +178,7 @@ def predict_us(tile: Tile | None, family: str, shape: Shape, target: Target) -> 
             in_turn = tile.deterministic and not tile.parallel_reduction
             unit += fixup * (tile.splits / 2 if in_turn else 1)
         mainloop = waves * unit
-    return LAUNCH_US + max(mainloop, dram_us)
+    return LAUNCH_US + (PERSISTENT_SETUP_US if tile.persistent else 0.0) + max(mainloop, dram_us)
 
 
 def _credit(picks: list[NearPick], family: str, config: dict[str, Any]) -> tuple[float, str]:

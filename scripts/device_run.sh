@@ -4,6 +4,7 @@
 #   bash scripts/device_run.sh llama-sweep package check-package bench-model   (issue: a real client)
 #   CATALOGUE=runs/catalogue.zip bash scripts/device_run.sh small   (small shapes: sweep, bench both regimes, ncu)
 #   CATALOGUE=runs/catalogue.zip bash scripts/device_run.sh grid    (the cuda_l2 grid, a slice per call: carry runs/grid.tar.xz)
+#   bash scripts/device_run.sh epi-ksweep   (issue 37's per-tile cost: carry runs/cat_epi.zip, built here)
 # Carry .whl (made here by `bash ../shared/device/wheels.sh optuna openai nvidia-cutlass nvmath-python
 # jsonschema hypothesis`) and, if there is one, runs/cubins.tar.xz (a compile cache packed here after
 # `hgemm-tune prebuild ...`: `tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .`).
@@ -81,6 +82,24 @@ for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries"
         | tee "$OUT/grid_bench.log" | tail -25
       tar cJf "$OUT/grid.tar.xz" -C runs grid.db $(cd runs && ls -d grid.json bench_grid 2>/dev/null)
       python3 -m tuner.cli catalogue curve sqlite:///runs/grid.db --out "$OUT/curve" 2>&1 | tail -4 ;;
+    epi-ksweep)  # issue 37's per-tile fixed cost (0041): the two kernels of experiments/epilogue_ksweep.json
+      # (cuBLAS's 128x256 s4 2x1 cooperative, EPI_TILE_N 32 and 64; build here first: `hgemm-tune catalogue build
+      # --kernels experiments/epilogue_ksweep.json -o runs/cat_epi.zip`, carry it) timed one by one (--batch 1: each
+      # kernel's best variants in full with cuBLAS) at K = 768..6144, both regimes; then ncu's per-SASS stall samples
+      # (SourceCounters, WarpStateStats) of ours and cuBLAS's at K = 1536, isolated
+      timeout "$(cap ${EPI_SWEEP_S:-150})" python3 -m tuner.cli sweep space.yaml --shapes epilogue_ksweep --families cute_sm90 \
+        --catalogue runs/cat_epi.zip --trials-per-shape 2 --batch 1 --patience 0 --confirm 0 --objective "${OBJECTIVE:-isolated}" \
+        --storage sqlite:///runs/epi.db -o runs/epi.json 2>&1 | tee "$OUT/epi_sweep.log" | tail -8; cp runs/epi.db "$OUT/"
+      timeout "$(cap ${EPI_BENCH_S:-150})" python3 -m tuner.cli bench runs/epi.json --mode both --repeats "${REPEATS:-2}" \
+        --out runs/bench_epi 2>&1 | tee "$OUT/epi_bench.log" | tail -20; cp runs/bench_epi/bench.md "$OUT/epi_bench.md"
+      python3 -c 'import json; d = json.load(open("runs/epi.json"))
+json.dump(d | {"entries": [e for e in d["entries"] if e["K"] == 1536]}, open("runs/epi_1536.json", "w"))'
+      timeout "$(cap ${NCU_TIMEOUT:-90})" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet" \
+        --section SourceCounters --section WarpStateStats --launch-skip 2 --launch-count 4 -o runs/epi_ncu -f \
+        python3 -m tuner.cli bench runs/epi_1536.json --mode isolated --repeats 1 --out runs/bench_epi_ncu > /dev/null 2> "$OUT/epi_ncu.err"
+      ncu -i runs/epi_ncu.ncu-rep --page details --csv > "$OUT/epi_ncu.csv" 2>> "$OUT/epi_ncu.err"
+      ncu -i runs/epi_ncu.ncu-rep --page source --print-source sass --csv > "$OUT/epi_sass.csv" 2>> "$OUT/epi_ncu.err"
+      xz -9 "$OUT/epi_sass.csv"; tail -3 "$OUT/epi_ncu.err" ;;
     screen-ab)  # issue 34's trial screen and batches (0036 addendum), fresh storages: AB_MODES of batch (the
       # default with a catalogue: 8 binaries per shared screen), screen (one binary a trial), noscreen (every variant in full)
       for mode in ${AB_MODES:-batch screen noscreen}; do

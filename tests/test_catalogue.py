@@ -211,3 +211,56 @@ def test_cli_build_is_incremental_and_tune_refuses_a_bad_catalogue(built, tmp_pa
                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 2 and "built with nvcc 11.8.89" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.nvcc
+def test_sweep_catalogue_out_adds_the_winners(built, tmp_path, monkeypatch):
+    """--catalogue-out: after a sweep, the catalogue plus every exported kernel it lacks, verified
+    like any catalogue; a winner it already held is not built again, and a second run adds nothing."""
+    from tuner import api
+    from tuner.build import compile as compile_mod
+    from tuner.search.sampler import full_config
+    from tuner.space import load_space
+
+    monkeypatch.setattr(compile_mod, "DEFAULT_CACHE", tmp_path / "cache")
+    space = load_space(ROOT / "space.yaml")
+    fam = space.family("wmma")
+    # A one-kernel catalogue (the default tile): the big tiles win some shapes and must join it.
+    pool = CompilePool(2, cache_dir=tmp_path / "cache")
+    try:
+        small = build_catalogue(tmp_path / "one.zip", wmma_jobs(space)[:1], "sm_90a", space, pool).catalogue
+    finally:
+        pool.close()
+    out = tmp_path / "grown.zip"
+    opts = api.Options(trials=5, storage=f"sqlite:///{tmp_path}/s.db", space_file=ROOT / "space.yaml",
+                       families="wmma", backend="replay", replay=REPLAY, seed=0, confirm_top=0,
+                       runs_dir=tmp_path / "runs", catalogue=small.path, catalogue_out=out)
+    res = api.sweep(opts, "default", patience=None)
+    grown = res.grown
+    assert grown is not None and grown.catalogue.path == out and not grown.failed
+    held = {json.dumps(k.config, sort_keys=True) for k in small.kernels}
+    winners = {json.dumps(fam.compile_config(full_config(fam, e["knobs"])), sort_keys=True)
+               for e in res.export["entries"]}
+    now = {json.dumps(k.config, sort_keys=True) for k in read_catalogue(out).kernels}
+    assert now == held | winners  # every winner joined, nothing of the catalogue was lost
+    assert winners - held, "the replay sweep picked no config outside the catalogue: the test checks nothing new"
+    assert grown.reused == len(winners & held) and grown.compiled + grown.from_cache == len(winners - held)
+    check_catalogue(read_catalogue(out), space, "sm_90a")
+    # The grown catalogue in its place: the same sweep again adds nothing and compiles nothing.
+    monkeypatch.setattr(compile_mod.subprocess, "run", lambda *a, **k: pytest.fail("nvcc ran"))
+    again = api.sweep(api.Options(**{**opts.__dict__, "catalogue": out}), "default", patience=None)
+    assert again.grown.compiled == 0 and again.grown.from_cache == 0
+    assert {json.dumps(k.config, sort_keys=True) for k in read_catalogue(out).kernels} == now
+
+
+def test_catalogue_out_is_checked_before_any_work(tmp_path):
+    from tuner import api
+
+    base = dict(trials=1, storage=f"sqlite:///{tmp_path}/s.db", space_file=ROOT / "space.yaml", families="wmma",
+                backend="replay", replay=REPLAY, runs_dir=tmp_path / "runs")
+    with pytest.raises(UserError, match="a catalogue is a .zip file"):
+        api.sweep(api.Options(**base, catalogue_out=tmp_path / "cat.json"), "default")
+    (tmp_path / "dir.zip").mkdir()
+    with pytest.raises(UserError, match="is a folder"):
+        api.sweep(api.Options(**base, catalogue_out=tmp_path / "dir.zip"), "default")
+    assert not (tmp_path / "s.db").exists()  # refused before the storage was touched

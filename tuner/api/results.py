@@ -255,11 +255,12 @@ def catalogue_curve(storage: str, studies: list[str] | None, tolerance: float, o
 
 
 def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts: Options,
-                   kernels_file: Path | None = None) -> list:
+                   kernels_file: Path | None = None, export: tuple[dict[str, Any], str] | None = None) -> list:
     """The configs a catalogue is asked to hold, each with why (tuner.build.catalogue.Job): every
-    entry of an export for `arch`, every kernel of a kernel list (`catalogue curve`), the seeds a
-    fresh study of each shape tries first, and, when none is given, each family's default config
-    and its seeds that hold for any shape."""
+    entry of an export for `arch` (a file, or `export`: its data and the label its kernels' reasons
+    name), every kernel of a kernel list (`catalogue curve`), the seeds a fresh study of each shape
+    tries first, and, when none is given, each family's default config and its seeds that hold for
+    any shape."""
     from tuner.build.catalogue import Job
     from tuner.results.entries import entry_build
     from tuner.search.sampler import full_config, seed_configs
@@ -269,12 +270,15 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
     named = check_family_names(space, opts.families, opts.accumulate)
     jobs: list[Job] = []
     if export_file is not None:
-        for e in read_json(export_file)["entries"]:
+        export = (read_json(export_file), f"export {export_file.name}")
+    if export is not None:
+        data, label = export
+        for e in data["entries"]:
             if e["arch"] != arch or (named is not None and e["family"] not in named):
                 continue
             b = entry_build(space, e, target)
             jobs.append(Job(b.family, space.family(b.family).compile_config(b.config), e.get("accumulate", "fp32"),
-                            b.source, b.artifact, f"export {export_file.name}: {e['shape']}"))
+                            b.source, b.artifact, f"{label}: {e['shape']}"))
     if kernels_file is not None:
         from tuner.results.curve import read_kernel_list
 
@@ -318,7 +322,7 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
 
 def catalogue_build(output: Path, export_file: Path | None, shapes: list[str], arch: str, opts: Options, *,
                     update: Path | None = None, cache_dir: Path | None = None, on_done=None,
-                    kernels_file: Path | None = None):
+                    kernels_file: Path | None = None, export: tuple[dict[str, Any], str] | None = None):
     """Compile, without a GPU, the chosen configs (`catalogue_jobs`) into one catalogue file at
     `output` (tuner.build.catalogue). Incremental: the kernels of `update`, or of `output` when
     it exists, are kept and not built again. Returns a tuner.build.catalogue.BuildSummary."""
@@ -327,7 +331,7 @@ def catalogue_build(output: Path, export_file: Path | None, shapes: list[str], a
 
     nvcc_path(), cutlass_include()  # missing toolchain: one clear error before anything is rendered
     space = load_space(opts.space_file)
-    jobs = catalogue_jobs(export_file, shapes, arch, opts, kernels_file)
+    jobs = catalogue_jobs(export_file, shapes, arch, opts, kernels_file, export)
     if not jobs:
         raise UserError("no config to build: the export has no entry for this arch, the kernel list none of these "
                         "families, and no seed is valid")
@@ -338,3 +342,16 @@ def catalogue_build(output: Path, export_file: Path | None, shapes: list[str], a
         return build_catalogue(output, jobs, arch, space, pool, previous, on_done=on_done)
     finally:
         pool.close()
+
+
+def grow_catalogue(opts: Options, export: dict[str, Any], arch: str, label: str, cache_dir: Path | None = None):
+    """`--catalogue-out`: the run's catalogue (`opts.catalogue`, or none) plus every kernel of its
+    export that the catalogue lacks, written to `opts.catalogue_out`: a new winner joins the
+    catalogue. Its binary is in the compile cache from the run (nvcc runs only for one that is
+    not). None when the export holds no kernel for `arch`."""
+    if not any(e["arch"] == arch for e in export["entries"]):
+        return None
+    assert opts.catalogue_out is not None
+    return catalogue_build(opts.catalogue_out, None, [], arch, opts, update=opts.catalogue, cache_dir=cache_dir,
+                           export=(export, label))
+

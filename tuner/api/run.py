@@ -59,6 +59,9 @@ class Options:
     confirm_runs: int = 3
     runs_dir: Path = Path("runs")       # exports, worker logs
     catalogue: Path | None = None       # a kernel catalogue: checked, loaded into the compile cache, tried first
+    # After the run: the catalogue (or none) plus every exported kernel it lacks, written here (the
+    # winners join it; may be the --catalogue file itself, replaced whole).
+    catalogue_out: Path | None = None
     # How many of the catalogue's configs, ranked for the shape (tuner.search.rank), a fresh study
     # times before the sampler's own proposals; None: all of them, in ranked order.
     catalogue_top: int | None = None
@@ -92,6 +95,8 @@ class Options:
             self.objective = check_objective(self.objective)
         if self.batch is not None and not 1 <= self.batch <= MAX_BATCH:
             raise UserError(f"--batch {self.batch}: must be 1 to {MAX_BATCH} (binaries measured together)")
+        if self.catalogue_out is not None and self.catalogue_out.suffix != ".zip":
+            raise UserError(f"--catalogue-out {self.catalogue_out}: a catalogue is a .zip file")
         if self.catalogue_top is not None and self.catalogue is None:
             raise UserError("--catalogue-top needs --catalogue FILE (the catalogue whose ranked configs are tried)")
         if self.catalogue_top is not None and self.catalogue_top < 0:
@@ -137,6 +142,7 @@ class TuneResult:
     measured_before: int          # measured trials the study held when this run started
     measured: int                 # ... and holds now
     evaluated: int                # trials counted toward --trials (with a replay file's unrecorded ones)
+    grown: Any = None             # --catalogue-out: the tuner.build.catalogue.BuildSummary
 
     @property
     def trials_per_min(self) -> float | None:
@@ -154,6 +160,7 @@ class SweepResult:
     seconds: float = 0.0          # wall time of this run, confirmation included
     searched: int = 0             # shapes this run searched (not finished in an earlier one)
     new_trials: int = 0           # trials this run measured
+    grown: Any = None             # --catalogue-out: the tuner.build.catalogue.BuildSummary
 
     def rates(self) -> tuple[float, float]:
         """(shapes/min, trials/min) of this run's own work."""

@@ -162,7 +162,17 @@ def tune_shape(shape: Shape | str, opts: Options | None = None, listener: Listen
             confirm_best(space, st, be, pool, opts, listener)
     data = export_studies([st])
     files = _write_exports(data, [opts.runs_dir / f"{name}.json", *([output] if output else [])], listener)
-    return TuneResult(st, data, files, seconds, before, measured_trials(st), evaluated_trials(st))
+    grown = _grow(opts, data, be.target.arch, f"tune {shp}")
+    return TuneResult(st, data, files, seconds, before, measured_trials(st), evaluated_trials(st), grown)
+
+
+def _grow(opts: Options, data: dict[str, Any], arch: str, label: str) -> Any:
+    """--catalogue-out: the winners join the catalogue (tuner.api.results.grow_catalogue)."""
+    if opts.catalogue_out is None:
+        return None
+    from tuner.api.results import grow_catalogue
+
+    return grow_catalogue(opts, data, arch, label)
 
 
 def _write_exports(data: dict[str, Any], paths: list[Path], listener: Listener) -> list[Path]:
@@ -269,8 +279,9 @@ def sweep(opts: Options, shape_lists: list[str] | str, *, time_per_shape: float 
         listener.sweep_shape(len(todo), len(todo), None)
     data = export_studies(done)
     files = _write_exports(data, [opts.runs_dir / "sweep.json", *([output] if output else [])], listener)
+    grown = _grow(opts, data, be.target.arch, f"sweep {text}")
     return SweepResult(done, data, files, len(todo), skipped, seconds=time.perf_counter() - started,
-                       searched=searched, new_trials=new_trials)
+                       searched=searched, new_trials=new_trials, grown=grown)
 
 
 def _start(space: Space, opts: Options,
@@ -281,6 +292,12 @@ def _start(space: Space, opts: Options,
     check_family_names(space, opts.families, opts.accumulate)
     if output:
         check_output(output)
+    if opts.catalogue_out is not None:  # said now, not after the run: where it goes, and the nvcc it may need
+        from tuner.build import cutlass_include, nvcc_path
+
+        if opts.catalogue_out.is_dir():
+            raise UserError(f"--catalogue-out {opts.catalogue_out}: is a folder, not a catalogue file")
+        nvcc_path(), cutlass_include()
     backing = open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
     opts.runs_dir.mkdir(parents=True, exist_ok=True)
     be = make_backend(opts, opts.runs_dir / "worker.log")

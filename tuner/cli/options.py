@@ -40,6 +40,11 @@ Catalogue = Annotated[Path | None, typer.Option(
     "--catalogue", help="Kernel catalogue (`hgemm-tune catalogue build`): verified, refused if built with another "
                         "nvcc, CUTLASS, arch or template, loaded into the compile cache; a fresh study tries its "
                         "configs first (no nvcc), ranked for its shape (--catalogue-top).")]
+CatalogueGrow = Annotated[Path | None, typer.Option(
+    "--catalogue-out", metavar="ZIP",
+    help="After the run, write the --catalogue (or a new one) plus every exported kernel it lacks to this file: "
+         "the winners the search compiled join the catalogue for the next run (their binaries come from the "
+         "compile cache). May name the --catalogue file itself, replaced whole.")]
 CatalogueTop = Annotated[int | None, typer.Option(
     "--catalogue-top", min=0,
     help="With --catalogue: a fresh study first times the catalogue's N best configs for its shape (no nvcc), "

@@ -48,6 +48,7 @@ def tune(
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
     catalogue_top: o.CatalogueTop = None,
+    catalogue_out: o.CatalogueGrow = None,
     rank_by: o.RankBy = "model",
     objective: o.Objective = "sustained",
     batch: o.Batch = None,
@@ -58,7 +59,7 @@ def tune(
                        sampler=sampler, seed=seed, timeout_s=timeout, backend=backend, replay=replay, arch=arch,
                        gpu=gpu, jobs=jobs, record=record, accumulate=accumulate, confirm_top=confirm,
                        confirm_runs=confirm_runs, catalogue=catalogue, catalogue_top=catalogue_top,
-                       rank_by=rank_by, objective=objective, batch=batch)
+                       catalogue_out=catalogue_out, rank_by=rank_by, objective=objective, batch=batch)
     try:
         with CliListener() as listener:
             res = api.tune_shape(shape, opts, listener, study=study, output=output, workers=workers)
@@ -70,6 +71,7 @@ def tune(
     console.print(f"{res.seconds:.0f} s this run; study holds {res.measured} measured trials{rate}; "
                   + (f"best config JSON: {' and '.join(str(f) for f in res.files)}" if res.files
                      else "no export written"))
+    _say_grown(res.grown)
     if res.evaluated < trials and not timeout:
         console.print(f"[yellow]stopped at {res.evaluated} of {trials} trials[/]: the sampler proposed no new valid "
                       "config in many tries; the space (or what the sampler explores of it) is spent.")
@@ -134,6 +136,7 @@ def sweep(
     confirm_runs: o.ConfirmRuns = 3,
     catalogue: o.Catalogue = None,
     catalogue_top: o.CatalogueTop = None,
+    catalogue_out: o.CatalogueGrow = None,
     rank_by: o.RankBy = "model",
     objective: o.Objective = "sustained",
     batch: o.Batch = None,
@@ -146,7 +149,8 @@ def sweep(
     opts = api.Options(trials=trials_per_shape, storage=storage, space_file=space_file, families=families,
                        sampler=sampler, seed=seed, backend=backend, replay=replay, arch=arch, gpu=gpu, jobs=jobs,
                        accumulate=accumulate, confirm_top=confirm, confirm_runs=confirm_runs, catalogue=catalogue,
-                       catalogue_top=catalogue_top, rank_by=rank_by, objective=objective, batch=batch)
+                       catalogue_top=catalogue_top, catalogue_out=catalogue_out, rank_by=rank_by, objective=objective,
+                       batch=batch)
     try:
         with CliListener(sweep=True) as listener:
             res = api.sweep(opts, shapes, time_per_shape=time_per_shape,
@@ -184,3 +188,15 @@ def sweep(
                       "confirmation included)")
     console.print(f"{len(res.studies)} shapes tuned, {len(res.skipped)} skipped, {left} left for a later run; "
                   + (f"JSON: {' and '.join(str(f) for f in res.files)}" if res.files else "no export written"))
+    _say_grown(res.grown)
+
+
+def _say_grown(grown) -> None:
+    """One line for --catalogue-out: what joined the catalogue."""
+    if grown is None:
+        return
+    cat, joined = grown.catalogue, grown.compiled + grown.from_cache
+    console.print(f"catalogue {cat.path}: {len(cat.kernels)} kernels (digest {cat.digest[:16]}); "
+                  f"{joined} winner{'s' * (joined != 1)} joined ({grown.from_cache} from the compile cache, "
+                  f"{grown.compiled} compiled), {grown.reused} already held"
+                  + (f"; [red]{len(grown.failed)} failed to build[/]" if grown.failed else ""))

@@ -4,7 +4,7 @@
 #   bash scripts/device_run.sh llama-sweep package check-package bench-model   (issue: a real client)
 #   CATALOGUE=runs/catalogue.zip bash scripts/device_run.sh small   (small shapes: sweep, bench both regimes, ncu)
 #   CATALOGUE=runs/catalogue.zip bash scripts/device_run.sh grid    (the cuda_l2 grid, a slice per call: carry runs/grid.tar.xz)
-#   bash scripts/device_run.sh epi-ksweep   (issue 37's per-tile cost: carry runs/cat_epi.zip, built here)
+#   bash scripts/device_run.sh epi-ksweep   (issue 37's per-tile cost: carry runs/cat_epi32.zip and runs/cat_epi64.zip, built here)
 # Carry .whl (made here by `bash ../shared/device/wheels.sh optuna openai nvidia-cutlass nvmath-python
 # jsonschema hypothesis`) and, if there is one, runs/cubins.tar.xz (a compile cache packed here after
 # `hgemm-tune prebuild ...`: `tar cJf runs/cubins.tar.xz -C "$HGEMM_TUNE_CACHE" .`).
@@ -57,6 +57,7 @@ for step in "$@"; do
         --out runs/bench_$S 2>&1 | tee "$OUT/${S}_bench.log" | tail -40; cp runs/bench_$S/bench.md "$OUT/${S}_bench.md"
       # ncu, one shape at a time: the first GEMM launches of an isolated bench run (verification, then
       # timing: ours is CUTLASS's device_kernel, cuBLAS's are nvjet/sm90 kernels): name, grid, duration
+      rm -f runs/${S}_[0-9]*.json  # an earlier call's on a warm machine
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
 for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries": [e]}, open(f"runs/{sys.argv[2]}_{i}.json", "w"))' \
         runs/$S.json "$S" "${NCU_SHAPES:-99}"
@@ -66,7 +67,7 @@ for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries"
         timeout "$(cap ${NCU_TIMEOUT:-60})" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet|gemm|xmma" \
           "${sections[@]}" --launch-count "${NCU_LAUNCHES:-40}" --csv --page details \
           python3 -m tuner.cli bench "$f" --mode isolated --out runs/bench_ncu >> "$OUT/${S}_ncu.csv" 2>> "$OUT/${S}_ncu.err"
-      done; tail -3 "$OUT/${S}_ncu.err"
+      done; [[ -f "$OUT/${S}_ncu.err" ]] && tail -3 "$OUT/${S}_ncu.err"
       python3 -m tuner.cli rank-check sqlite:///runs/$S.db --top 5 2>&1 | tee "$OUT/${S}_rank.log" | tail -20 ;;
     grid)  # issue 34: the cuda_l2 grid from the catalogue, resumable across calls and sessions. To continue, copy an
       # earlier call's $OUT/grid.tar.xz to runs/ and carry it (the storage and the bench so far, compressed ~15x).
@@ -82,24 +83,36 @@ for i, e in enumerate(d["entries"][:int(sys.argv[3])]): json.dump(d | {"entries"
         | tee "$OUT/grid_bench.log" | tail -25
       tar cJf "$OUT/grid.tar.xz" -C runs grid.db $(cd runs && ls -d grid.json bench_grid 2>/dev/null)
       python3 -m tuner.cli catalogue curve sqlite:///runs/grid.db --out "$OUT/curve" 2>&1 | tail -4 ;;
-    epi-ksweep)  # issue 37's per-tile fixed cost (0041): the two kernels of experiments/epilogue_ksweep.json
-      # (cuBLAS's 128x256 s4 2x1 cooperative, EPI_TILE_N 32 and 64; build here first: `hgemm-tune catalogue build
-      # --kernels experiments/epilogue_ksweep.json -o runs/cat_epi.zip`, carry it) timed one by one (--batch 1: each
-      # kernel's best variants in full with cuBLAS) at K = 768..6144, both regimes; then ncu's per-SASS stall samples
-      # (SourceCounters, WarpStateStats) of ours and cuBLAS's at K = 1536, isolated
-      timeout "$(cap ${EPI_SWEEP_S:-150})" python3 -m tuner.cli sweep space.yaml --shapes epilogue_ksweep --families cute_sm90 \
-        --catalogue runs/cat_epi.zip --trials-per-shape 2 --batch 1 --patience 0 --confirm 0 --objective "${OBJECTIVE:-isolated}" \
-        --storage sqlite:///runs/epi.db -o runs/epi.json 2>&1 | tee "$OUT/epi_sweep.log" | tail -8; cp runs/epi.db "$OUT/"
-      timeout "$(cap ${EPI_BENCH_S:-150})" python3 -m tuner.cli bench runs/epi.json --mode both --repeats "${REPEATS:-2}" \
-        --out runs/bench_epi 2>&1 | tee "$OUT/epi_bench.log" | tail -20; cp runs/bench_epi/bench.md "$OUT/epi_bench.md"
-      python3 -c 'import json; d = json.load(open("runs/epi.json"))
-json.dump(d | {"entries": [e for e in d["entries"] if e["K"] == 1536]}, open("runs/epi_1536.json", "w"))'
-      timeout "$(cap ${NCU_TIMEOUT:-90})" ncu --clock-control none --target-processes all -k "regex:device_kernel|nvjet" \
-        --section SourceCounters --section WarpStateStats --launch-skip 2 --launch-count 4 -o runs/epi_ncu -f \
-        python3 -m tuner.cli bench runs/epi_1536.json --mode isolated --repeats 1 --out runs/bench_epi_ncu > /dev/null 2> "$OUT/epi_ncu.err"
-      ncu -i runs/epi_ncu.ncu-rep --page details --csv > "$OUT/epi_ncu.csv" 2>> "$OUT/epi_ncu.err"
-      ncu -i runs/epi_ncu.ncu-rep --page source --print-source sass --csv > "$OUT/epi_sass.csv" 2>> "$OUT/epi_ncu.err"
-      xz -9 "$OUT/epi_sass.csv"; tail -3 "$OUT/epi_ncu.err" ;;
+    epi-ksweep)  # issue 37's per-tile fixed cost (0041): cuBLAS's 128x256 s4 2x1 cooperative tile with 32- and
+      # 64-column epilogue subtiles, one catalogue each (built here: `hgemm-tune catalogue build --kernels
+      # experiments/epilogue_ksweep_32.json -o runs/cat_epi32.zip`, the same for 64; carry both). Per kernel: the
+      # `epilogue_ksweep` shapes (K = 768..6144) timed in full with cuBLAS (a one-kernel catalogue, one trial a
+      # shape), bench of both regimes, ncu's per-SASS stall samples at K = 1536; then cuBLAS's kernel the same
+      # way. Everything lands in $OUT/epi.tar.xz (one file: the call returns at most 8). Best run alone in a call.
+      mkdir -p runs/epi_out; rm -rf runs/epi_out/* runs/epi[0-9]*.json runs/epi[0-9]*.db runs/epi_*.ncu-rep
+      for e in 32 64; do
+        t=$(cap ${EPI_SWEEP_S:-110})
+        timeout "$t" python3 -m tuner.cli sweep space.yaml --shapes epilogue_ksweep --families cute_sm90 \
+          --catalogue runs/cat_epi$e.zip --trials-per-shape 1 --patience 0 --confirm 0 --budget $((t > 40 ? t - 25 : t)) \
+          --objective "${OBJECTIVE:-isolated}" --storage sqlite:///runs/epi$e.db -o runs/epi$e.json 2>&1 \
+          | tee runs/epi_out/sweep$e.log | tail -4
+        [[ -f runs/epi$e.json ]] || { echo "epi-ksweep: no export for EPI_TILE_N=$e"; continue; }
+        timeout "$(cap ${EPI_BENCH_S:-90})" python3 -m tuner.cli bench runs/epi$e.json --mode both --repeats "${REPEATS:-2}" \
+          --out runs/bench_epi$e 2>&1 | tee runs/epi_out/bench$e.log | tail -12
+        cp runs/bench_epi$e/bench.md runs/bench_epi$e/bench.json runs/epi$e.db runs/epi_out/ 2>/dev/null
+        python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+json.dump(d | {"entries": [e for e in d["entries"] if e["K"] == 1536]}, open(sys.argv[2], "w"))' runs/epi$e.json runs/epi${e}_1536.json
+        for who in "ours$e:device_kernel" $([[ $e == 32 ]] && echo "cublas:nvjet"); do
+          timeout "$(cap ${NCU_TIMEOUT:-60})" ncu --clock-control none --target-processes all -k "regex:${who#*:}" \
+            --section SourceCounters --section WarpStateStats --launch-skip 1 --launch-count 2 --kill yes \
+            -o "runs/epi_${who%%:*}" -f python3 -m tuner.cli bench runs/epi${e}_1536.json --mode isolated --repeats 1 \
+            --out runs/bench_epi_ncu > /dev/null 2>> runs/epi_out/ncu.err
+          ncu -i "runs/epi_${who%%:*}.ncu-rep" --page details --csv > "runs/epi_out/${who%%:*}_details.csv" 2>> runs/epi_out/ncu.err
+          ncu -i "runs/epi_${who%%:*}.ncu-rep" --page source --print-source sass --csv \
+            > "runs/epi_out/${who%%:*}_sass.csv" 2>> runs/epi_out/ncu.err
+        done
+      done
+      tail -3 runs/epi_out/ncu.err 2>/dev/null; tar cJf "$OUT/epi.tar.xz" -C runs epi_out ;;
     screen-ab)  # issue 34's trial screen and batches (0036 addendum), fresh storages: AB_MODES of batch (the
       # default with a catalogue: 8 binaries per shared screen), screen (one binary a trial), noscreen (every variant in full)
       for mode in ${AB_MODES:-batch screen noscreen}; do

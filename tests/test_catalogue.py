@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -246,9 +247,10 @@ def test_sweep_catalogue_out_adds_the_winners(built, tmp_path, monkeypatch):
     assert winners - held, "the replay sweep picked no config outside the catalogue: the test checks nothing new"
     assert grown.reused == len(winners & held) and grown.compiled + grown.from_cache == len(winners - held)
     check_catalogue(read_catalogue(out), space, "sm_90a")
-    # The grown catalogue in its place: the same sweep again adds nothing and compiles nothing.
+    # The grown catalogue in its place: the same sweep again (every study already done, so only
+    # the export and the grow run) adds nothing and compiles nothing.
     monkeypatch.setattr(compile_mod.subprocess, "run", lambda *a, **k: pytest.fail("nvcc ran"))
-    again = api.sweep(api.Options(**{**opts.__dict__, "catalogue": out}), "default", patience=None)
+    again = api.sweep(replace(opts, catalogue=out), "default", patience=None)
     assert again.grown.compiled == 0 and again.grown.from_cache == 0
     assert {json.dumps(k.config, sort_keys=True) for k in read_catalogue(out).kernels} == now
 
@@ -263,4 +265,18 @@ def test_catalogue_out_is_checked_before_any_work(tmp_path):
     (tmp_path / "dir.zip").mkdir()
     with pytest.raises(UserError, match="is a folder"):
         api.sweep(api.Options(**base, catalogue_out=tmp_path / "dir.zip"), "default")
+    (tmp_path / "other.zip").write_bytes(b"")
+    with pytest.raises(UserError, match="exists and is not the --catalogue"):
+        api.sweep(api.Options(**base, catalogue=tmp_path / "cat.zip", catalogue_out=tmp_path / "other.zip"),
+                  "default")
     assert not (tmp_path / "s.db").exists()  # refused before the storage was touched
+
+
+def test_an_export_alone_asks_for_its_kernels_only(tmp_path):
+    """What a grow builds: the export's kernels, never the family defaults and seeds that a bare
+    `catalogue build` falls back to (27 cute_sm90 configs)."""
+    from tuner import api
+
+    opts = api.Options(space_file=ROOT / "space.yaml", families="cute_sm90")
+    assert api.catalogue_jobs(None, [], "sm_90a", opts, export=({"entries": []}, "sweep")) == []
+    assert len(api.catalogue_jobs(None, [], "sm_90a", opts)) > 10

@@ -269,6 +269,7 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
     target = target_for_arch(arch)
     named = check_family_names(space, opts.families, opts.accumulate)
     jobs: list[Job] = []
+    given = export_file is not None or export is not None or kernels_file is not None or bool(shapes)
     if export_file is not None:
         export = (read_json(export_file), f"export {export_file.name}")
     if export is not None:
@@ -310,7 +311,7 @@ def catalogue_jobs(export_file: Path | None, shapes: list[str], arch: str, opts:
         for fam in fams:
             for cfg in seed_configs(fam, shape):
                 add(fam, cfg, shape, f"seed of {shape}")
-    if export_file is None and not shapes and kernels_file is None:
+    if not given:
         big = parse_shape("4096x4096x4096")  # resource limits only: these serve every shape
         for fam in fams:
             add(fam, fam.compile_config(fam.defaults()), big, "family default")
@@ -345,13 +346,23 @@ def catalogue_build(output: Path, export_file: Path | None, shapes: list[str], a
 
 
 def grow_catalogue(opts: Options, export: dict[str, Any], arch: str, label: str, cache_dir: Path | None = None):
-    """`--catalogue-out`: the run's catalogue (`opts.catalogue`, or none) plus every kernel of its
-    export that the catalogue lacks, written to `opts.catalogue_out`: a new winner joins the
-    catalogue. Its binary is in the compile cache from the run (nvcc runs only for one that is
-    not). None when the export holds no kernel for `arch`."""
-    if not any(e["arch"] == arch for e in export["entries"]):
-        return None
+    """`--catalogue-out`: the run's catalogue (`opts.catalogue`, else the file itself where it
+    exists, else none) plus each shape's best kernel of ours in its export that the catalogue
+    lacks, written to `opts.catalogue_out`: a new winner joins the catalogue. Only kernels that
+    (re-)verified and whose template is the current one join. Their binaries are in the compile
+    cache from the run (nvcc runs only for one that is not). None when no kernel qualifies."""
     assert opts.catalogue_out is not None
-    return catalogue_build(opts.catalogue_out, None, [], arch, opts, update=opts.catalogue, cache_dir=cache_dir,
-                           export=(export, label))
+    from tuner.build.render import template_hash
+
+    space = load_space(opts.space_file)
+    # Measured with today's template (an earlier run's study may predate an edit) and verified.
+    joining = [e for e in export["entries"] if e["arch"] == arch and e["family"] in space.families
+               and e.get("template_hash") in (None, "", template_hash(space.family(e["family"])))
+               and (e.get("speedup") or {}).get("cublas") is not None]
+    if not joining:
+        return None
+    base = opts.catalogue if opts.catalogue is not None else (opts.catalogue_out if opts.catalogue_out.exists()
+                                                             else None)
+    return catalogue_build(opts.catalogue_out, None, [], arch, opts, update=base, cache_dir=cache_dir,
+                           export=({**export, "entries": joining}, f"best at {label}"))
 

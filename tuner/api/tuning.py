@@ -3,6 +3,7 @@ shape of a space file's lists (`sweep`), and re-timing a study's best (`confirm`
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -295,8 +296,18 @@ def _start(space: Space, opts: Options,
     if opts.catalogue_out is not None:  # said now, not after the run: where it goes, and the nvcc it may need
         from tuner.build import cutlass_include, nvcc_path
 
-        if opts.catalogue_out.is_dir():
-            raise UserError(f"--catalogue-out {opts.catalogue_out}: is a folder, not a catalogue file")
+        out = opts.catalogue_out
+        if out.is_dir():
+            raise UserError(f"--catalogue-out {out}: is a folder, not a catalogue file")
+        if out.exists() and (opts.catalogue is None or out.resolve() != opts.catalogue.resolve()):
+            if opts.catalogue is not None:  # its kernels would be replaced by --catalogue's, silently
+                raise UserError(f"--catalogue-out {out}: exists and is not the --catalogue {opts.catalogue}; "
+                                "name a new file, or the --catalogue itself to extend it")
+            from tuner.build.catalogue import check_catalogue, read_catalogue
+
+            check_catalogue(read_catalogue(out), space, opts.arch)  # the base the winners join: checked now
+        if not os.access(out.resolve().parent if out.resolve().parent.exists() else Path.cwd(), os.W_OK):
+            raise UserError(f"--catalogue-out {out}: its folder is not writable")
         nvcc_path(), cutlass_include()
     backing = open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
     opts.runs_dir.mkdir(parents=True, exist_ok=True)

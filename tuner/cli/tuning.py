@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -71,7 +72,7 @@ def tune(
     console.print(f"{res.seconds:.0f} s this run; study holds {res.measured} measured trials{rate}; "
                   + (f"best config JSON: {' and '.join(str(f) for f in res.files)}" if res.files
                      else "no export written"))
-    _say_grown(res.grown)
+    _say_grown(res.grown, catalogue_out)
     if res.evaluated < trials and not timeout:
         console.print(f"[yellow]stopped at {res.evaluated} of {trials} trials[/]: the sampler proposed no new valid "
                       "config in many tries; the space (or what the sampler explores of it) is spent.")
@@ -188,15 +189,20 @@ def sweep(
                       "confirmation included)")
     console.print(f"{len(res.studies)} shapes tuned, {len(res.skipped)} skipped, {left} left for a later run; "
                   + (f"JSON: {' and '.join(str(f) for f in res.files)}" if res.files else "no export written"))
-    _say_grown(res.grown)
+    _say_grown(res.grown, catalogue_out)
 
 
-def _say_grown(grown) -> None:
-    """One line for --catalogue-out: what joined the catalogue."""
+def _say_grown(grown, path: Path | None) -> None:
+    """One line for --catalogue-out: what joined the catalogue, or why nothing was written."""
+    if path is None:
+        return
     if grown is None:
+        console.print(f"--catalogue-out {path}: not written (the export holds no verified kernel of ours)")
         return
     cat, joined = grown.catalogue, grown.compiled + grown.from_cache
     console.print(f"catalogue {cat.path}: {len(cat.kernels)} kernels (digest {cat.digest[:16]}); "
                   f"{joined} winner{'s' * (joined != 1)} joined ({grown.from_cache} from the compile cache, "
                   f"{grown.compiled} compiled), {grown.reused} already held"
-                  + (f"; [red]{len(grown.failed)} failed to build[/]" if grown.failed else ""))
+                  + (f"; [red]{len(grown.failed)} failed to build[/], first {grown.failed[0][0].family} "
+                     f"{escape(json.dumps(grown.failed[0][0].config, separators=(',', ':')))}: "
+                     f"{escape(grown.failed[0][1][:200])}" if grown.failed else ""))

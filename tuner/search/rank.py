@@ -41,8 +41,8 @@ from tuner.space import Family, Shape, Space, Target
 # ---- the cost model's constants (round figures for H100/H200; they only need to order configs)
 
 LAUNCH_US = 3.1          # launch and a plain grid's prologue: every kernel
-# A persistent kernel's own set-up on top (tile scheduler, every CTA's cluster sync before its
-# first tile): with LAUNCH_US, the 3-5 us measured for one on an H100. Fitted on the H100's
+# A persistent kernel's own set-up on top (the tile scheduler's parameters and first tile, the
+# persistent loop around the mainloop): with LAUNCH_US, the 3-5 us measured for one on an H100. Fitted on the H100's
 # 68-shape sweep (2026-12-07): `basic` 64x64 beat pingpong 64x64 by 0.55-0.73 us at every
 # one-wave shape where both were timed (pingpong's halved tile overhead included, below).
 PERSISTENT_SETUP_US = 0.9
@@ -121,7 +121,7 @@ def tile_of(fam: Family, full: dict[str, Any], shape: Shape, target: Target) -> 
         return Tile(full["TILE_M"], full["TILE_N"], full["TILE_K"], int(full.get("CLUSTER_M", 1)),
                     int(full.get("CLUSTER_N", 1)), splits, decomp == "stream_k",
                     full.get("REDUCTION", "deterministic") == "deterministic", full.get("SCHEDULE") == "basic",
-                    full.get("SCHEDULE") == "pingpong", ctas, full.get("SCHEDULE") != "basic")
+                    full.get("SCHEDULE") == "pingpong", ctas, full.get("SCHEDULE") in ("cooperative", "pingpong"))
     if {"BM", "BN", "BK"} <= set(full):  # cubin families: as many CTAs per SM as smem and threads allow
         env = fam.env(full, shape, target)
         smem, threads = int(env.get("smem_bytes", 0) or 0), int(env.get("threads", 128) or 128)

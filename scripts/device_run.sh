@@ -149,3 +149,10 @@ json.dump(d, open(sys.argv[2], "w"))' "${EXPORT:-runs/llama.json}" runs/forced.j
     *) echo "unknown step $step" ;;
   esac
 done
+# The call returns at most 8 files: past that, everything but the archives already there goes into one more
+# archive, named for this run (a command may run this script more than once).
+if (( $(find "$OUT" -type f | wc -l) > 8 )); then
+  packed=$(cd "$OUT" && find . -type f ! -name '*.tar.xz' | sort)
+  (cd "$OUT" && tar cJf "out-$$.tar.xz" $packed && rm -f $packed && find . -mindepth 1 -type d -empty -delete)
+  echo "device_run.sh: more than 8 files under \$OUT, packed into out-$$.tar.xz"
+fi

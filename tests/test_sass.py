@@ -64,6 +64,11 @@ def test_cute_sm90_issues_wgmma_and_tma_without_spills(space, h200, tmp_path):
         assert ops["HMMA"] == 0, "a Hopper kernel fell back to mma.sync"
         # hgemm_run(pdl=1) is safe only if the kernel waits for its predecessor's memory
         assert ops["ACQBULK"] > 0, f"no griddepcontrol.wait in {fam.compile_config(cfg)}: PDL would race"
+    # The TMA epilogue converts the accumulators with no alpha multiply (alpha is always 1): the
+    # default's 128x256 tile has 128 fp32 accumulators per consumer thread, so a multiply would be
+    # at least 128 FMULs (134 with CUTLASS's LinearCombination; docs/decisions/0041).
+    assert default["EPILOGUE"] == "tma" and default["TILE_M"] * default["TILE_N"] == 128 * 256
+    assert opcode_counts(dump_sass(results[0].cubin))["FMUL"] < 64
     # The promotion knob is real only if CuTe's descriptor encoding goes through our wrapper:
     # its symbol is in the library that asked for 256, and absent from CuTe's own 128.
     assert b"hgemm_tma_promotion" in Path(results[2].cubin).read_bytes()

@@ -19,7 +19,7 @@ from tuner.errors import UserError
 # ACQBULK is griddepcontrol.wait (PDL: wait for the previous kernel's memory), PREEXIT is
 # griddepcontrol.launch_dependents; REDG a global reduction without a result (red.add: a split-K
 # arrival counter).
-WATCH = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDL", "STL", "ACQBULK", "PREEXIT", "REDG")
+WATCH = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDL", "STL", "ACQBULK", "PREEXIT", "REDG", "FMUL")
 
 
 def cuobjdump_path() -> str:

@@ -352,17 +352,16 @@ def grow_catalogue(opts: Options, export: dict[str, Any], arch: str, label: str,
     (re-)verified and whose template is the current one join. Their binaries are in the compile
     cache from the run (nvcc runs only for one that is not). None when no kernel qualifies."""
     assert opts.catalogue_out is not None
-    from tuner.build.render import template_hash
+    from tuner.results.entries import tuned_with_other_template
 
     space = load_space(opts.space_file)
     # Measured with today's template (an earlier run's study may predate an edit) and verified.
     joining = [e for e in export["entries"] if e["arch"] == arch and e["family"] in space.families
-               and e.get("template_hash") in (None, "", template_hash(space.family(e["family"])))
+               and not tuned_with_other_template(space.family(e["family"]), e)
                and (e.get("speedup") or {}).get("cublas") is not None]
     if not joining:
         return None
-    base = opts.catalogue if opts.catalogue is not None else (opts.catalogue_out if opts.catalogue_out.exists()
-                                                             else None)
-    return catalogue_build(opts.catalogue_out, None, [], arch, opts, update=base, cache_dir=cache_dir,
+    # With no --catalogue, catalogue_build extends the output file itself where it exists.
+    return catalogue_build(opts.catalogue_out, None, [], arch, opts, update=opts.catalogue, cache_dir=cache_dir,
                            export=({**export, "entries": joining}, f"best at {label}"))
 

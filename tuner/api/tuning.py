@@ -3,7 +3,6 @@ shape of a space file's lists (`sweep`), and re-timing a study's best (`confirm`
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -295,6 +294,7 @@ def _start(space: Space, opts: Options,
         check_output(output)
     if opts.catalogue_out is not None:  # said now, not after the run: where it goes, and the nvcc it may need
         from tuner.build import cutlass_include, nvcc_path
+        from tuner.results.schema import check_writable_folder
 
         out = opts.catalogue_out
         if out.is_dir():
@@ -306,8 +306,7 @@ def _start(space: Space, opts: Options,
             from tuner.build.catalogue import check_catalogue, read_catalogue
 
             check_catalogue(read_catalogue(out), space, opts.arch)  # the base the winners join: checked now
-        if not os.access(out.resolve().parent if out.resolve().parent.exists() else Path.cwd(), os.W_OK):
-            raise UserError(f"--catalogue-out {out}: its folder is not writable")
+        check_writable_folder(out.parent, f"--catalogue-out {out}")
         nvcc_path(), cutlass_include()
     backing = open_storage(opts.storage)  # a bad storage URL, a corrupt file: here, before the GPU starts
     opts.runs_dir.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,11 @@ class EntryBuild:
     template_changed: bool      # the template differs from the one the entry was tuned with
 
 
+def tuned_with_other_template(fam, entry: dict[str, Any]) -> bool:
+    """The entry records the hash of the template it was tuned with, and today's differs."""
+    return bool(entry.get("template_hash")) and template_hash(fam) != entry["template_hash"]
+
+
 def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
     """An export entry (tuner.results.export.entry) -> source, launch and variant for `target`.
 
@@ -34,7 +39,7 @@ def entry_build(space: Space, entry: dict[str, Any], target) -> EntryBuild:
     fam = space.family(entry["family"])
     config = fam.complete_stored(entry["knobs"])  # older exports carry ACCUM: it is `accumulate` now
     shape = parse_shape(entry["shape"])
-    changed = bool(entry.get("template_hash")) and template_hash(fam) != entry["template_hash"]
+    changed = tuned_with_other_template(fam, entry)
     return EntryBuild(family=fam.name, template=fam.template, config=config,
                       variant=fam.runtime_config(config),
                       source=render(fam, config, target.arch, accumulate=entry.get("accumulate", "fp32")),
